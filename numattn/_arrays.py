@@ -1,0 +1,196 @@
+"""Array interop: what numattn needs to know of an array, whatever library made it.
+
+Supported inputs: torch tensors (CPU or CUDA), numpy arrays, numba device
+arrays, any object exposing ``__cuda_array_interface__`` (CuPy, JAX, ...) and
+any object exposing ``__dlpack__``. ``describe`` reads an array's metadata
+without copying; the helpers below give host (numpy) views of the storage and
+wrap results back into the caller's library.
+"""
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._cuda import SIMULATOR, cuda
+
+if SIMULATOR:
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _NumbaDeviceArray
+else:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray as _NumbaDeviceArray
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+_STORAGE = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
+_TYPESTR = {"f2": "float16", "f4": "float32", "f8": "float64"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """Metadata of one array argument. ``strides`` count elements; ``device`` is None on the host."""
+
+    kind: str  # "torch", "numpy", "numba", "cai"
+    dtype: str  # a name from FLOAT_DTYPES when supported, else how the library spells it
+    shape: tuple
+    strides: tuple
+    device: object
+
+    @property
+    def where(self):
+        return "host memory" if self.device is None else f"GPU {self.device}"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _element_strides(byte_strides, itemsize, name):
+    strides = []
+    for s in byte_strides:
+        if s % itemsize:
+            raise ValueError(f"{name} has a stride of {s} bytes, not a multiple of its {itemsize}-byte elements")
+        strides.append(s // itemsize)
+    return tuple(strides)
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _numpy_dtype_name(dtype):
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.name
+
+
+def _cai_device(ptr):
+    from cuda.bindings import driver
+
+    attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    err, ordinal = driver.cuPointerGetAttribute(attr, ptr)
+    return ordinal if err == driver.CUresult.CUDA_SUCCESS else cuda.get_current_device().id
+
+
+def describe(x, name):
+    """``Operand`` for argument ``name``; TypeError for objects that are not arrays."""
+    if is_torch(x):
+        dtype = str(x.dtype).removeprefix("torch.")
+        if x.device.type == "cuda":
+            device = x.device.index if x.device.index is not None else 0
+        elif x.device.type == "cpu":
+            device = None
+        else:
+            raise ValueError(f"{name} is on torch device {x.device}; numattn runs on CUDA tensors or host memory")
+        return Operand("torch", dtype, tuple(x.shape), tuple(x.stride()), device)
+    if isinstance(x, np.ndarray):
+        dtype = _numpy_dtype_name(x.dtype)
+        return Operand("numpy", dtype, x.shape, _element_strides(x.strides, x.itemsize, name), None)
+    if isinstance(x, _NumbaDeviceArray) and SIMULATOR:  # the simulator's device arrays wrap numpy
+        host = x._ary
+        strides = _element_strides(host.strides, host.itemsize, name)
+        return Operand("numba", _numpy_dtype_name(host.dtype), host.shape, strides, 0)
+    if hasattr(x, "__cuda_array_interface__"):
+        cai = x.__cuda_array_interface__
+        typestr = cai["typestr"]
+        dtype = _TYPESTR.get(typestr[1:], typestr)
+        itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 1
+        shape = tuple(cai["shape"])
+        if cai.get("strides") is None:
+            strides = _contiguous_strides(shape)
+        else:
+            strides = _element_strides(cai["strides"], itemsize, name)
+        kind = "numba" if isinstance(x, _NumbaDeviceArray) else "cai"
+        return Operand(kind, dtype, shape, strides, _cai_device(cai["data"][0]))
+    raise TypeError(
+        f"{name} must be an array (torch tensor, numpy array, numba device array, or an object with "
+        f"__cuda_array_interface__ or __dlpack__), got {type(x).__name__}"
+    )
+
+
+def from_dlpack(x):
+    """``x`` itself when ``describe`` reads it directly; a zero-copy numpy or torch view of a DLPack-only object."""
+    if (
+        is_torch(x)
+        or isinstance(x, (np.ndarray, _NumbaDeviceArray))
+        or hasattr(x, "__cuda_array_interface__")
+        or not hasattr(x, "__dlpack__")
+    ):
+        return x
+    device_type, _ = x.__dlpack_device__()
+    if device_type == 1:  # kDLCPU
+        return np.from_dlpack(x)
+    torch = _torch()
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            raise TypeError(
+                f"{type(x).__name__} offers only DLPack on a device; install torch or pass an object "
+                "with __cuda_array_interface__"
+            ) from None
+    return torch.from_dlpack(x)
+
+
+def device_pointer(x):
+    """Address of element 0 of a device array."""
+    if is_torch(x):
+        return x.data_ptr()
+    return x.__cuda_array_interface__["data"][0]
+
+
+def cai_stream(x):
+    """The stream a ``__cuda_array_interface__`` producer asks consumers to order after (0: legacy default)."""
+    stream = x.__cuda_array_interface__.get("stream")
+    return stream or 0
+
+
+def storage_dtype(dtype):
+    """numpy dtype that carries elements of ``dtype`` inside kernels."""
+    return _STORAGE[dtype]
+
+
+def host_storage(x, op):
+    """Zero-copy numpy view of a host (or simulator) array's storage, 16-bit floats as uint16."""
+    if op.kind == "torch":
+        torch = _torch()
+        x = x.detach()
+        if op.dtype == "bfloat16":
+            x = x.view(torch.int16)
+        x = x.numpy()
+    elif op.kind == "numba":
+        x = x._ary if hasattr(x, "_ary") else x.copy_to_host()
+    return x.view(_STORAGE[op.dtype])
+
+
+def wrap_host(storage, like, dtype):
+    """Host ``storage`` (storage dtype) as a ``dtype`` array of the same library as ``like``."""
+    if is_torch(like):
+        torch = _torch()
+        if dtype == "bfloat16":
+            return torch.from_numpy(storage.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(storage.view(np.dtype(dtype)))
+    if dtype == "bfloat16":  # only reachable from a bfloat16 input, whose numpy dtype is reused
+        array = storage.view(like.dtype if isinstance(like, np.ndarray) else like._ary.dtype)
+    else:
+        array = storage.view(np.dtype(dtype))
+    return array if isinstance(like, np.ndarray) else cuda.to_device(array)
+
+
+def empty_device_like(x, shape, dtype, device):
+    """Uninitialised device array of ``shape`` and ``dtype`` of the same library as ``x``."""
+    if is_torch(x):
+        torch = _torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=f"cuda:{device}")
+    with cuda.gpus[device]:
+        out = cuda.device_array(shape, dtype=np.float16 if dtype == "float16" else _STORAGE[dtype])
+    module = sys.modules.get(type(x).__module__.split(".")[0])
+    if module is not None and module.__name__ == "cupy":
+        return module.asarray(out)
+    return out

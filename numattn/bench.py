@@ -1,0 +1,164 @@
+"""GPU benchmarks: numattn against torch SDPA backends in one process (needs torch with CUDA).
+
+``python -m numattn bench`` prints, per shape, the median kernel time (CUDA
+events around each call, L2 flushed before each, after warm-up) and TFLOP/s of
+numattn and of SDPA's flash, cuDNN and memory-efficient backends on the same
+inputs, then the host overhead per call: back-to-back calls on tiny inputs
+timed with a host clock, next to torch's own per-op overhead.
+"""
+
+import json
+import statistics
+import time
+
+
+def _torch():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("numattn bench needs torch with a CUDA GPU")
+    return torch
+
+
+def cuda_time_ms(fn, warmup=3, repeat=20, flush_l2=True):
+    """Median milliseconds of ``fn()`` on the GPU, each call between two CUDA events."""
+    torch = _torch()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda") if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        if flush is not None:
+            flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_overhead_us(fn, calls=2000, rounds=5):
+    """Median host microseconds per call of ``fn()`` over back-to-back calls (no synchronisation inside)."""
+    torch = _torch()
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_kv, head_dim, head_dim_v, causal):
+    """Matmul FLOPs of attention forward; causal counts the visible half (bottom-right aligned)."""
+    if causal:
+        visible = sum(max(0, min(seqlen_kv, i + 1 + seqlen_kv - seqlen_q)) for i in range(seqlen_q))
+    else:
+        visible = seqlen_q * seqlen_kv
+    return 2 * batch * heads * visible * (head_dim + head_dim_v)
+
+
+def _sdpa_backends(torch):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+
+
+def bench_attention(shapes, dtypes=("float16", "bfloat16"), causals=(False, True)):
+    """Rows of {shape, dtype, causal, <impl>_ms, <impl>_tflops} for numattn and SDPA backends."""
+    torch = _torch()
+    import numattn
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    rows = []
+    for batch, heads, seqlen, head_dim in shapes:
+        for dtype in dtypes:
+            for causal in causals:
+                tdtype = getattr(torch, dtype)
+                q, k, v = (
+                    torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=tdtype) for _ in range(3)
+                )
+                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal)
+                row = {"shape": (batch, heads, seqlen, head_dim), "dtype": dtype, "causal": causal}
+                impls = {"numattn": lambda: numattn.attention(q, k, v, causal=causal)}
+                for name, backend in _sdpa_backends(torch).items():
+                    impls[name] = lambda backend=backend: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal)
+                for name, fn in impls.items():
+                    try:
+                        ms = cuda_time_ms(fn)
+                    except RuntimeError as exc:  # backend does not support this case
+                        row[f"{name}_ms"] = None
+                        row[f"{name}_error"] = str(exc).splitlines()[0][:80]
+                        continue
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_tflops"] = flops / ms / 1e9
+                rows.append(row)
+    return rows
+
+
+def _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return sdpa(q, k, v, is_causal=causal)
+
+
+def bench_host_overhead():
+    """Host µs per call on tiny inputs: numattn, SDPA (default backend choice) and a plain torch op."""
+    torch = _torch()
+    import numattn
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v = (torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    a = torch.randn(16, device="cuda")
+    return {
+        "numattn.attention": host_overhead_us(lambda: numattn.attention(q, k, v)),
+        "numattn.attention(return_lse)": host_overhead_us(lambda: numattn.attention(q, k, v, return_lse=True)),
+        "torch sdpa": host_overhead_us(lambda: sdpa(q, k, v)),
+        "torch.add": host_overhead_us(lambda: torch.add(a, a)),
+    }
+
+
+DEFAULT_SHAPES = [(4, 16, 1024, 64), (2, 16, 2048, 64), (2, 16, 2048, 128), (1, 16, 2048, 256)]
+QUICK_SHAPES = [(4, 16, 1024, 64), (2, 16, 1024, 128)]
+
+
+def print_attention_table(rows):
+    impls = ["numattn", "flash", "cudnn", "efficient"]
+    header = f"{'B,H,L,D':>18} {'dtype':>8} {'causal':>6} " + " ".join(f"{i + ' ms':>13} {'TF/s':>6}" for i in impls)
+    print(header)
+    for row in rows:
+        cells = []
+        for impl in impls:
+            ms = row.get(f"{impl}_ms")
+            cells.append(f"{ms:13.3f} {row[f'{impl}_tflops']:6.1f}" if ms is not None else f"{'n/a':>13} {'':>6}")
+        shape = ",".join(map(str, row["shape"]))
+        print(f"{shape:>18} {row['dtype']:>8} {str(row['causal']):>6} " + " ".join(cells))
+
+
+def main(args):
+    torch = _torch()
+    import numattn
+    from numattn.kernels.launch import device_limits
+
+    device = device_limits(torch.cuda.current_device())
+    print(f"numattn {numattn.__version__}, torch {torch.__version__}, {device['name']} (sm_{device['cc'][0]}{device['cc'][1]})")
+    rows = bench_attention(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
+    print_attention_table(rows)
+    overhead = bench_host_overhead()
+    print("host overhead per call (µs, median of back-to-back calls on tiny inputs):")
+    for name, us in overhead.items():
+        print(f"  {name:32} {us:7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "attention": rows, "host_overhead_us": overhead}, f, indent=1)
+    return 0

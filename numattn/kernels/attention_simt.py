@@ -1,0 +1,241 @@
+"""Fused attention forward on CUDA cores (the SIMT backend).
+
+One thread block computes ``BLOCK_M`` query rows of one (batch, query head):
+the Q tile is loaded once into shared memory (pre-scaled by ``scale·log2 e``),
+then K/V tiles of ``BLOCK_N`` keys stream through shared memory while an online
+softmax keeps, per row, the running max ``m_i``, the running sum ``l_i`` and the
+unnormalised output ``acc`` in registers. Scores live in the log2 domain so that
+``exp2`` is the only transcendental.
+
+Threads form a ``THREADS_M × THREADS_N`` grid. Thread ``(tm, tn)`` owns rows
+``tm + i·THREADS_M`` (``i < ROWS``); of each score tile it computes columns
+``tn + j·THREADS_N`` (``j < COLS``), and of the output columns
+``tn + j·THREADS_N`` (``j < VCOLS``). Row maxima are combined through shared
+memory; each thread keeps a partial ``l_i`` over its own columns, and the
+partials are summed once, in the epilogue.
+
+Causal masking is bottom-right aligned: row ``i`` sees key ``j`` when
+``j <= i + seqlen_kv - seqlen_q``. Key tiles entirely past the diagonal are not
+visited; a row that sees no key writes 0 and an LSE of ``-inf``.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import float32
+
+from .._cuda import cuda
+from .tiles import NARROW, WIDEN, tile_view
+
+_LOG2E = np.float32(math.log2(math.e))
+_LN2 = np.float32(math.log(2.0))
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class SimtConfig:
+    """Tile configuration of the SIMT kernel."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_threads: int = 128
+    threads_n: int = 8
+
+    def __post_init__(self):
+        threads_m, rest = divmod(self.num_threads, self.threads_n)
+        if rest or self.block_m % threads_m or self.block_n % self.threads_n:
+            raise ValueError(f"inconsistent SIMT tile configuration {self}")
+
+    def shared_words(self, head_dim, head_dim_v):
+        """fp32 words of shared memory: Q, K, V, P tiles and the row-max exchange."""
+        vcols = _cdiv(head_dim_v, self.threads_n) * self.threads_n
+        return (
+            self.block_m * (head_dim + 1)
+            + self.block_n * (head_dim + 1)
+            + self.block_n * vcols
+            + self.block_m * (self.block_n + 1)
+            + self.block_m * self.threads_n
+        )
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        return 4 * self.shared_words(head_dim, head_dim_v)
+
+
+def choose_simt_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
+    """Heuristic tile choice: the largest tiles that fit ``max_shared_bytes``."""
+    if simulator:
+        # Each simulated thread is a Python thread: few of them, small tiles.
+        return SimtConfig(block_m=16, block_n=16, num_threads=8, threads_n=2)
+    widest = max(head_dim, head_dim_v)
+    if widest <= 64:
+        candidates = [SimtConfig(64, 64, 128, 8), SimtConfig(64, 32, 128, 8)]
+    elif widest <= 128:
+        candidates = [SimtConfig(64, 32, 128, 8), SimtConfig(32, 32, 128, 8)]
+    else:
+        candidates = [SimtConfig(32, 32, 128, 16), SimtConfig(32, 16, 128, 16)]
+    for config in candidates:
+        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return SimtConfig(16, 16, 32, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse):
+    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)`` for one specialisation.
+
+    ``q`` (B, Hq, Sq, D), ``k`` (B, Hkv, Skv, D), ``v`` (B, Hkv, Skv, Dv) and
+    ``o`` (B, Hq, Sq, Dv) are strided 4-D arrays of the storage dtype,
+    ``lse`` (B, Hq, Sq) float32 (unused unless ``write_lse``), ``scale_log2``
+    the softmax scale times log2(e), float32. Launch with
+    ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
+    ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
+    """
+    BLOCK_M, BLOCK_N = config.block_m, config.block_n
+    NUM_THREADS, THREADS_N = config.num_threads, config.threads_n
+    THREADS_M = NUM_THREADS // THREADS_N
+    ROWS = BLOCK_M // THREADS_M
+    COLS = BLOCK_N // THREADS_N
+    VCOLS = _cdiv(head_dim_v, THREADS_N)
+    D, DV, DV_PAD = head_dim, head_dim_v, VCOLS * THREADS_N
+    # Rows of the Q, K and P tiles are padded by one word so that a warp
+    # reading one column of several rows hits distinct banks.
+    QK_ROW, P_ROW = D + 1, BLOCK_N + 1
+    Q_OFF = 0
+    K_OFF = Q_OFF + BLOCK_M * QK_ROW
+    V_OFF = K_OFF + BLOCK_N * QK_ROW
+    P_OFF = V_OFF + BLOCK_N * DV_PAD
+    X_OFF = P_OFF + BLOCK_M * P_ROW
+    CAUSAL, WRITE_LSE = causal, write_lse
+    widen, narrow = WIDEN[dtype], NARROW[dtype]
+
+    @cuda.jit(device=True)
+    def load_tile(dst, src, b, h, row0, nrows, ncols, scale):
+        """dst[r, c] = scale · src[b, h, row0 + r, c]; rows or columns out of range read 0."""
+        rows, cols = dst.shape
+        for idx in range(cuda.threadIdx.x, rows * cols, NUM_THREADS):
+            r = idx // cols
+            c = idx - r * cols
+            value = _ZERO
+            if row0 + r < nrows and c < ncols:
+                value = widen(src[b, h, row0 + r, c]) * scale
+            dst[r, c] = value
+
+    def kernel(q, k, v, o, lse, scale_log2):
+        smem = cuda.shared.array(0, float32)
+        q_s = tile_view(smem, Q_OFF, BLOCK_M, QK_ROW)
+        k_s = tile_view(smem, K_OFF, BLOCK_N, QK_ROW)
+        v_s = tile_view(smem, V_OFF, BLOCK_N, DV_PAD)
+        p_s = tile_view(smem, P_OFF, BLOCK_M, P_ROW)
+        x_s = tile_view(smem, X_OFF, BLOCK_M, THREADS_N)  # per-thread row partials
+
+        batch, heads_q, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
+        heads_kv, seqlen_kv = k.shape[1], k.shape[2]
+        # Blocks of the last query rows (the longest under causal masking) go first.
+        bh_count = batch * heads_q
+        m_block = (seqlen_q + BLOCK_M - 1) // BLOCK_M - 1 - cuda.blockIdx.x // bh_count
+        bh = cuda.blockIdx.x % bh_count
+        b, h = bh // heads_q, bh % heads_q
+        h_kv = h // (heads_q // heads_kv)
+        m0 = m_block * BLOCK_M
+        diagonal = seqlen_kv - seqlen_q
+        n_end = seqlen_kv
+        if CAUSAL:
+            n_end = min(seqlen_kv, m0 + BLOCK_M + diagonal)
+
+        tn = cuda.threadIdx.x % THREADS_N
+        tm = cuda.threadIdx.x // THREADS_N
+
+        load_tile(q_s, q, b, h, m0, seqlen_q, D, scale_log2)
+
+        m_i = cuda.local.array(ROWS, float32)
+        l_i = cuda.local.array(ROWS, float32)
+        acc = cuda.local.array((ROWS, VCOLS), float32)
+        s = cuda.local.array((ROWS, COLS), float32)
+        for i in range(ROWS):
+            m_i[i] = _NEG_INF
+            l_i[i] = _ZERO
+            for j in range(VCOLS):
+                acc[i, j] = _ZERO
+
+        for n0 in range(0, n_end, BLOCK_N):
+            cuda.syncthreads()  # the previous tile is no longer read
+            load_tile(k_s, k, b, h_kv, n0, seqlen_kv, D, _ONE)
+            load_tile(v_s, v, b, h_kv, n0, seqlen_kv, DV, _ONE)
+            cuda.syncthreads()
+
+            # S = Q Kᵀ (log2 domain)
+            for i in range(ROWS):
+                for j in range(COLS):
+                    s[i, j] = _ZERO
+            for d in range(D):
+                for i in range(ROWS):
+                    q_val = q_s[tm + i * THREADS_M, d]
+                    for j in range(COLS):
+                        s[i, j] += q_val * k_s[tn + j * THREADS_N, d]
+
+            # mask keys past the sequence end (and past the diagonal), partial row max
+            for i in range(ROWS):
+                row = m0 + tm + i * THREADS_M
+                row_max = _NEG_INF
+                for j in range(COLS):
+                    col = n0 + tn + j * THREADS_N
+                    if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
+                        s[i, j] = _NEG_INF
+                    row_max = max(row_max, s[i, j])
+                x_s[tm + i * THREADS_M, tn] = row_max
+            cuda.syncthreads()
+
+            # online softmax: new max, rescale, P = exp2(S - m)
+            for i in range(ROWS):
+                r = tm + i * THREADS_M
+                m_new = m_i[i]
+                for c in range(THREADS_N):
+                    m_new = max(m_new, x_s[r, c])
+                # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
+                m_ref = m_new if m_new != _NEG_INF else _ZERO
+                alpha = math.exp2(m_i[i] - m_ref)
+                m_i[i] = m_new
+                l_i[i] *= alpha
+                for j in range(VCOLS):
+                    acc[i, j] *= alpha
+                for j in range(COLS):
+                    p = math.exp2(s[i, j] - m_ref)
+                    l_i[i] += p
+                    p_s[r, tn + j * THREADS_N] = p
+            cuda.syncthreads()
+
+            # acc += P V
+            for n in range(BLOCK_N):
+                for i in range(ROWS):
+                    p = p_s[tm + i * THREADS_M, n]
+                    for j in range(VCOLS):
+                        acc[i, j] += p * v_s[n, tn + j * THREADS_N]
+
+        # epilogue: full row sums from the per-thread partials, then O = acc / l
+        for i in range(ROWS):
+            x_s[tm + i * THREADS_M, tn] = l_i[i]
+        cuda.syncthreads()
+        for i in range(ROWS):
+            r = tm + i * THREADS_M
+            row = m0 + r
+            if row < seqlen_q:
+                l_sum = _ZERO
+                for c in range(THREADS_N):
+                    l_sum += x_s[r, c]
+                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                for j in range(VCOLS):
+                    col = tn + j * THREADS_N
+                    if col < DV:
+                        o[b, h, row, col] = narrow(acc[i, j] * inv_l)
+                if WRITE_LSE and tn == 0:
+                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+
+    return cuda.jit(kernel)

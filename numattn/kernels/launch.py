@@ -1,0 +1,157 @@
+"""Compile-once, launch-cheaply machinery shared by every numattn kernel.
+
+numba's dispatcher re-types and re-flattens its arguments on every launch,
+which costs tens of microseconds of host time. Here a kernel is compiled once
+per specialisation and device, its argument block is built once per call
+signature (``ArgumentBlock``), and each launch only writes the data pointers
+that changed into that block before calling ``cuLaunchKernel``.
+
+In numba's argument ABI an array becomes ``(meminfo, parent, nitems, itemsize,
+data, *shape, *strides_in_bytes)``, each field 8 bytes wide; scalars keep
+their own width. In the simulator, ``SimulatedKernel`` launches the numba
+dispatcher on numpy arrays instead.
+"""
+
+import functools
+import sys
+import threading
+
+import numpy as np
+
+from .._cuda import SIMULATOR, cuda
+
+if not SIMULATOR:
+    from cuda.bindings import driver as _driver
+
+_DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def _check(result):
+    err = result[0]
+    if err != _driver.CUresult.CUDA_SUCCESS:
+        name = _driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"CUDA driver call failed: {name.decode() if name else err}")
+    return result[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_id):
+    """Properties of GPU ``device_id`` that kernel configurations must respect."""
+    if SIMULATOR:
+        return {"name": "numba CUDA simulator", "cc": (9, 0), "sms": 1, "max_shared": 227 * 1024}
+    attr = _driver.CUdevice_attribute
+    dev = _check(_driver.cuDeviceGet(device_id))[0]
+
+    def get(name):
+        return _check(_driver.cuDeviceGetAttribute(getattr(attr, name), dev))[0]
+
+    name = _check(_driver.cuDeviceGetName(256, dev))[0]
+    return {
+        "name": name.split(b"\0", 1)[0].decode(),
+        "cc": (
+            get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR"),
+            get("CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR"),
+        ),
+        "sms": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
+        "max_shared": get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+    }
+
+
+def flatten_array(ptr, shape, strides, itemsize):
+    """numba's kernel-argument fields of an array; ``strides`` in elements."""
+    nitems = 1
+    for extent in shape:
+        nitems *= extent
+    return (0, 0, nitems, itemsize, ptr, *shape, *(s * itemsize for s in strides))
+
+
+class ArgumentBlock:
+    """A kernel's packed arguments, built once; pointer slots are rewritten per launch.
+
+    ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
+    ``np.float32`` values 4 of them. ``pointer_slots`` are the indices of the
+    fields that change between launches.
+    """
+
+    def __init__(self, fields, pointer_slots):
+        self.values = np.zeros(len(fields), dtype=np.uint64)
+        as_f32 = self.values.view(np.float32)
+        for i, field in enumerate(fields):
+            if isinstance(field, np.float32):
+                as_f32[2 * i] = field
+            else:
+                self.values[i] = int(field) & 0xFFFFFFFFFFFFFFFF
+        base = self.values.ctypes.data
+        self.addresses = np.arange(len(fields), dtype=np.uint64) * np.uint64(8) + np.uint64(base)
+        self.address = self.addresses.ctypes.data
+        self.pointer_slots = tuple(pointer_slots)
+
+
+class CompiledKernel:
+    """A numba kernel compiled for one signature and loaded on one device."""
+
+    def __init__(self, dispatcher, argtypes, device_id, shared_bytes):
+        with cuda.gpus[device_id]:
+            kernel = dispatcher.compile(tuple(argtypes))
+            kernel.bind()
+            cufunc = kernel._codelibrary.get_cufunc()
+        self.device_id = device_id
+        self.attributes = cufunc.attrs  # regs, shared, local, const, maxthreads
+        self.function = _driver.CUfunction(int(cufunc.handle))
+        self.shared_bytes = shared_bytes
+        if shared_bytes > _DEFAULT_SHARED_LIMIT:
+            limit = device_limits(device_id)["max_shared"]
+            if shared_bytes > limit:
+                raise ValueError(f"kernel needs {shared_bytes} bytes of shared memory, device allows {limit}")
+            _check(
+                _driver.cuKernelSetAttribute(
+                    _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes,
+                    cufunc.handle,
+                    _driver.CUdevice(device_id),
+                )
+            )
+        self._lock = threading.Lock()
+
+    def launch(self, stream, grid, block, block_args, pointers):
+        """Launch on raw stream handle ``stream`` with ``pointers`` written into ``block_args``."""
+        values = block_args.values
+        with self._lock:  # the block is shared: fill and launch as one step
+            for slot, ptr in zip(block_args.pointer_slots, pointers):
+                values[slot] = ptr
+            err = _driver.cuLaunchKernel(
+                self.function, grid, 1, 1, block, 1, 1, self.shared_bytes, stream, block_args.address, 0
+            )[0]
+        if err != _driver.CUresult.CUDA_SUCCESS:
+            _check((err,))
+
+
+class SimulatedKernel:
+    """The same interface in numba's CUDA simulator: arrays are numpy arrays."""
+
+    def __init__(self, dispatcher, shared_bytes):
+        self.dispatcher = dispatcher
+        self.shared_bytes = shared_bytes
+
+    def launch_arrays(self, grid, block, *args):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        # Wrapped as simulator device arrays, numpy views (strided ones too) are
+        # used in place; plain numpy arguments would be copied in and out.
+        args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args]
+        # The simulator's block manager polls its threads; a short GIL switch
+        # interval lets threads leave barriers promptly (several times faster).
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)
+        try:
+            self.dispatcher[grid, block, 0, self.shared_bytes](*args)
+        finally:
+            sys.setswitchinterval(interval)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(dispatcher, argtypes, device_id, shared_bytes):
+    """Cached ``CompiledKernel`` (or ``SimulatedKernel``) for one signature and device."""
+    if SIMULATOR:
+        return SimulatedKernel(dispatcher, shared_bytes)
+    return CompiledKernel(dispatcher, argtypes, device_id, shared_bytes)

@@ -1,0 +1,68 @@
+"""Tile primitives shared by numattn kernels, each with its simulator twin.
+
+* ``tile_view`` carves a 2-D tile with compile-time shape out of the dynamic
+  shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
+* ``WIDEN`` / ``NARROW`` map a storage dtype name to the conversion a kernel
+  applies when it loads an element into fp32 or stores an fp32 result.
+"""
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.cuda.extending import intrinsic, overload
+from numba.cuda.np.arrayobj import make_array, populate_array
+
+from .ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
+
+# Storage dtype of each element type inside kernels: 16-bit floats travel as bit patterns.
+STORAGE = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
+WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
+NARROW = {"float16": cvt_rn_f16_f32, "bfloat16": cvt_rn_bf16_f32, "float32": np.float32}
+
+
+def tile_view(buf, offset, rows, cols):
+    """``tile_view(buf, offset, ROWS, COLS)``: C-ordered ``(ROWS, COLS)`` view of ``buf[offset:]``.
+
+    ``buf`` is a 1-D array (the dynamic shared-memory buffer), ``offset`` counts
+    elements, ``ROWS`` and ``COLS`` are compile-time constants, so every index
+    into the tile folds into an immediate address offset. No copy.
+    """
+    return buf[offset : offset + rows * cols].reshape(rows, cols)
+
+
+@intrinsic
+def _tile_view(typingctx, buf, offset, rows, cols):
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(cols, types.IntegerLiteral)):
+        return None
+    nrows, ncols = rows.literal_value, cols.literal_value
+    tile_type = types.Array(buf.dtype, 2, "C")
+
+    def codegen(context, builder, sig, args):
+        source = make_array(sig.args[0])(context, builder, args[0])
+        start = context.cast(builder, args[1], sig.args[1], types.intp)
+        intp = context.get_value_type(types.intp)
+        itemsize = context.get_abi_sizeof(context.get_data_type(buf.dtype))
+        tile = make_array(tile_type)(context, builder)
+        populate_array(
+            tile,
+            data=builder.gep(source.data, [start]),
+            shape=[ir.Constant(intp, nrows), ir.Constant(intp, ncols)],
+            strides=[ir.Constant(intp, ncols * itemsize), ir.Constant(intp, itemsize)],
+            itemsize=ir.Constant(intp, itemsize),
+            meminfo=None,
+        )
+        return tile._getvalue()
+
+    return tile_type(buf, offset, rows, cols), codegen
+
+
+@overload(tile_view, target="cuda", prefer_literal=True, inline="always")
+def _tile_view_gpu(buf, offset, rows, cols):
+    if not (isinstance(rows, types.IntegerLiteral) and isinstance(cols, types.IntegerLiteral)):
+        return None  # ROWS and COLS must be compile-time constants
+    ROWS, COLS = rows.literal_value, cols.literal_value  # re-enter the intrinsic as literals
+
+    def impl(buf, offset, rows, cols):
+        return _tile_view(buf, offset, ROWS, COLS)
+
+    return impl

@@ -1,0 +1,388 @@
+"""``numattn.attention``: fused scaled-dot-product attention over whole sequences."""
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+from numba import types
+
+from .._arrays import (
+    FLOAT_DTYPES,
+    Operand,
+    cai_stream,
+    describe,
+    device_pointer,
+    empty_device_like,
+    from_dlpack,
+    host_storage,
+    is_torch,
+    storage_dtype,
+    wrap_host,
+)
+from .._cuda import SIMULATOR, cuda
+from ..kernels.attention_simt import choose_simt_config, simt_attention_kernel
+from ..kernels.launch import ArgumentBlock, compiled, device_limits, flatten_array
+
+# position of the (batch, heads, seqlen, head_dim) axes in each layout
+_LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
+_LAYOUT_DIMS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seqlen, heads, head_dim)"}
+MAX_HEAD_DIM = 256
+_MAX_GRID = 2**31 - 1
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A validated attention call, in (batch, heads, seqlen, head_dim) order."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    device: object  # GPU ordinal, or None for host memory
+    causal: bool
+    scale: float
+    layout: str
+    return_lse: bool
+    q: Operand
+    k: Operand
+    v: Operand
+    out: Operand  # None when numattn allocates the output
+
+    @property
+    def out_shape(self):
+        """Output shape in the caller's layout."""
+        bhsd = (self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
+        return tuple(bhsd[a] for a in _LAYOUT_AXES[self.layout])
+
+    @property
+    def lse_shape(self):
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+    def bhsd(self, values):
+        """Reorder shape or strides given in the caller's layout to (batch, heads, seqlen, head_dim)."""
+        return tuple(values[a] for a in _LAYOUT_AXES[self.layout])
+
+
+def _contiguous(shape):
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
+
+
+def _validate(q, k, v, out, causal, scale, layout, return_lse):
+    if layout not in _LAYOUT_AXES:
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    for flag, value in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+    ops = {"q": describe(q, "q"), "k": describe(k, "k"), "v": describe(v, "v")}
+    for name, op in ops.items():
+        if len(op.shape) != 4:
+            raise ValueError(
+                f"{name} must be 4-D {_LAYOUT_DIMS[layout]} for layout {layout!r}, got shape {op.shape}"
+            )
+        if 0 in op.shape:
+            raise ValueError(f"{name} has a zero-size dimension: shape {op.shape}")
+        if op.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {op.dtype}; expected float16, bfloat16 or float32")
+    if len({op.dtype for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
+        raise TypeError(f"q, k and v must share one dtype, got {given}")
+    if len({op.device for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
+        raise ValueError(f"q, k and v must be on one device, got {given}")
+
+    axes = _LAYOUT_AXES[layout]
+    (bq, hq, sq, dq), (bk, hk, sk, dk), (bv, hv, sv, dv) = (
+        tuple(op.shape[a] for a in axes) for op in ops.values()
+    )
+    if not bq == bk == bv:
+        raise ValueError(f"q, k and v must have the same batch size, got {bq}, {bk} and {bv}")
+    if dk != dq:
+        raise ValueError(f"k head_dim must equal q head_dim {dq}, got {dk}")
+    if hv != hk:
+        raise ValueError(f"k and v must have the same number of heads, got {hk} and {hv}")
+    if sv != sk:
+        raise ValueError(f"k and v must have the same sequence length, got {sk} and {sv}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    for name, d in (("q/k head_dim", dq), ("v head_dim", dv)):
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {d}")
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(dq)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+
+    q_op = ops["q"]
+    problem = Problem(
+        bq, hq, hk, sq, sk, dq, dv, q_op.dtype, q_op.device, bool(causal), float(scale), layout,
+        bool(return_lse), q_op, ops["k"], ops["v"], None,
+    )
+    if out is not None:
+        out_op = describe(out, "out")
+        if out_op.dtype != q_op.dtype:
+            raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
+        if out_op.shape != problem.out_shape:
+            raise ValueError(f"out must have shape {problem.out_shape}, got {out_op.shape}")
+        if out_op.device != q_op.device:
+            raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
+        problem = replace(problem, out=out_op)
+    return problem
+
+
+class _DevicePlan:
+    """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
+
+    def __init__(self, p):
+        limits = device_limits(p.device)
+        config = choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"])
+        dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+        storage = types.uint16 if p.dtype != "float32" else types.float32
+        argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
+        self.kernel = compiled(dispatcher, argtypes, p.device, config.shared_bytes(p.head_dim, p.head_dim_v))
+        self.grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
+        if self.grid > _MAX_GRID:
+            raise ValueError(f"problem too large: {self.grid} thread blocks exceed the grid limit")
+        self.block = config.num_threads
+        self.problem = p
+
+        itemsize = 4 if p.dtype == "float32" else 2
+        out_strides = p.out.strides if p.out is not None else _contiguous(p.out_shape)
+        arrays = [
+            (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
+            (p.bhsd(p.k.shape), p.bhsd(p.k.strides), itemsize),
+            (p.bhsd(p.v.shape), p.bhsd(p.v.strides), itemsize),
+            (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize),
+            (p.lse_shape, _contiguous(p.lse_shape), 4),
+        ]
+        fields, slots = [], []
+        for shape, strides, size in arrays:
+            slots.append(len(fields) + 4)  # the data pointer's place among the array's fields
+            fields.extend(flatten_array(0, shape, strides, size))
+        fields.append(np.float32(p.scale * _LOG2E))
+        self.args = ArgumentBlock(fields, slots)
+
+    def launch(self, stream, q, k, v, o, lse):
+        self.kernel.launch(stream, self.grid, self.block, self.args, (q, k, v, o, lse))
+
+    def __call__(self, q, k, v, out):
+        p = self.problem
+        if out is None:
+            out = empty_device_like(q, p.out_shape, p.dtype, p.device)
+        lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
+        self.launch(
+            cai_stream(q),
+            device_pointer(q),
+            device_pointer(k),
+            device_pointer(v),
+            device_pointer(out),
+            device_pointer(lse) if lse is not None else 0,
+        )
+        return (out, lse) if p.return_lse else out
+
+
+class _TorchPlan(_DevicePlan):
+    """The same launch for torch CUDA tensors, on torch's current stream, with no host synchronisation."""
+
+    def __init__(self, p):
+        super().__init__(p)
+        import torch
+
+        self._torch = torch
+        self._dtype = getattr(torch, p.dtype)
+        self._device = torch.device("cuda", p.device)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+
+    def __call__(self, q, k, v, out):
+        if self._torch.cuda.current_device() != self.problem.device:
+            with self._torch.cuda.device(self.problem.device):
+                return self._run(q, k, v, out)
+        return self._run(q, k, v, out)
+
+    def _run(self, q, k, v, out):
+        p, torch = self.problem, self._torch
+        if out is None:
+            out = torch.empty(p.out_shape, dtype=self._dtype, device=self._device)
+        lse = torch.empty(p.lse_shape, dtype=torch.float32, device=self._device) if p.return_lse else None
+        self.kernel.launch(
+            self._stream(p.device),
+            self.grid,
+            self.block,
+            self.args,
+            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr()),
+        )
+        return (out, lse) if p.return_lse else out
+
+
+class _HostPlan:
+    """Host arrays on a machine with a GPU: copy in, launch on the default device, copy out."""
+
+    def __init__(self, p):
+        device = cuda.get_current_device().id
+        contiguous = {
+            name: replace(op, kind="numba", device=device, strides=_contiguous(op.shape))
+            for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
+        }
+        self.device_problem = replace(p, device=device, out=None, **contiguous)
+        self.device_plan = _DevicePlan(self.device_problem)
+        self.problem = p
+
+    def __call__(self, q, k, v, out):
+        p = self.problem
+        stored = [
+            cuda.to_device(np.ascontiguousarray(host_storage(x, op)))
+            for x, op in ((q, p.q), (k, p.k), (v, p.v))
+        ]
+        o = cuda.device_array(p.out_shape, dtype=storage_dtype(p.dtype))
+        lse = cuda.device_array(p.lse_shape, dtype=np.float32) if p.return_lse else None
+        self.device_plan.launch(
+            0, *(a.device_ctypes_pointer.value for a in stored), o.device_ctypes_pointer.value,
+            0 if lse is None else lse.device_ctypes_pointer.value,
+        )
+        result = _deliver(o.copy_to_host(), q, out, p)
+        return (result, _lse_like(lse.copy_to_host(), q)) if p.return_lse else result
+
+
+class _SimulatorPlan:
+    """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
+
+    def __init__(self, p):
+        config = choose_simt_config(p.head_dim, p.head_dim_v, device_limits(0)["max_shared"], simulator=True)
+        dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+        self.kernel = compiled(dispatcher, None, 0, config.shared_bytes(p.head_dim, p.head_dim_v))
+        self.grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
+        self.block = config.num_threads
+        self.problem = p
+
+    def __call__(self, q, k, v, out):
+        p = self.problem
+        axes = _LAYOUT_AXES[p.layout]
+        views = [host_storage(x, op).transpose(axes) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
+        lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
+        self.kernel.launch_arrays(
+            self.grid, self.block, *views, o.transpose(axes), lse, np.float32(p.scale * _LOG2E)
+        )
+        result = _deliver(o, q, out, p)
+        return (result, _lse_like(lse, q)) if p.return_lse else result
+
+
+def _deliver(o_storage, q, out, p):
+    """The host result as an array like ``q``; written into ``out`` when one was given."""
+    result = wrap_host(o_storage, q, p.dtype)
+    if out is None:
+        return result
+    if is_torch(out):
+        out.copy_(result if is_torch(result) else wrap_host(o_storage, out, p.dtype))
+    else:
+        host_storage(out, p.out)[...] = o_storage
+    return out
+
+
+def _lse_like(lse, q):
+    return wrap_host(lse, q, "float32")
+
+
+_PLANS = {}
+_MAX_PLANS = 4096
+_UNCACHED = object()
+
+
+def _signature(x):
+    """Hashable description of everything about ``x`` a plan depends on, except its data."""
+    if x is None:
+        return None
+    if is_torch(x):
+        return (x.dtype, x.shape, x.stride(), x.device)
+    if isinstance(x, np.ndarray):
+        return (x.dtype, x.shape, x.strides)
+    return _UNCACHED  # other libraries: validated and planned on every call
+
+
+def _make_plan(problem):
+    p = problem
+    if p.device is None or p.q.kind == "numba" and SIMULATOR:
+        return _SimulatorPlan(p) if SIMULATOR else _HostPlan(p)
+    if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
+        return _TorchPlan(p)
+    return _DevicePlan(p)
+
+
+def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):
+    """Fused softmax attention ``softmax(scale · q kᵀ) v`` with an online softmax.
+
+    Parameters
+    ----------
+    q : array, ``[batch, num_heads_q, seqlen_q, head_dim]`` (layout ``"bhsd"``)
+        or ``[batch, seqlen_q, num_heads_q, head_dim]`` (layout ``"bshd"``);
+        float16, bfloat16 or float32. Any strides; nothing is copied on the GPU.
+    k : array, ``[batch, num_heads_kv, seqlen_kv, head_dim]`` in the same layout and dtype.
+        ``num_heads_q`` must be a multiple of ``num_heads_kv`` (MHA, GQA, MQA):
+        query head ``h`` reads key/value head ``h // (num_heads_q // num_heads_kv)``.
+    v : array, ``[batch, num_heads_kv, seqlen_kv, head_dim_v]`` in the same layout and dtype.
+    causal : bool
+        Mask key ``j`` for query ``i`` when ``j > i + seqlen_kv - seqlen_q``
+        (bottom-right aligned). A query that sees no key returns 0.
+    scale : float, optional
+        Softmax scale; ``1 / sqrt(head_dim)`` by default.
+    layout : ``"bhsd"`` or ``"bshd"``
+    return_lse : bool
+        Also return the natural-log log-sum-exp of the scaled scores per query,
+        float32 ``[batch, num_heads_q, seqlen_q]`` (``-inf`` for a query that sees no key).
+    out : array, optional
+        Destination with the output's shape and dtype, on q's device.
+
+    Returns
+    -------
+    ``o`` ``[batch, num_heads_q, seqlen_q, head_dim_v]`` (in ``layout``), same dtype
+    and library as ``q``, or ``(o, lse)`` with ``return_lse``. Torch CUDA tensors
+    run on torch's current stream without synchronising; host arrays run on the
+    GPU when there is one (copied in and out), else in numba's CUDA simulator.
+
+    Raises
+    ------
+    TypeError
+        Non-array arguments, unsupported or mixed dtypes, non-bool flags.
+    ValueError
+        Wrong ranks, mismatched batch / heads / lengths / head dims, head dims
+        over 256, zero-size dimensions, arrays on different devices, an unknown
+        layout, or ``out`` of the wrong shape or device.
+
+    Examples
+    --------
+    >>> import numpy as np, numattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((1, 4, 8, 16), dtype=np.float32)
+    >>> k = rng.standard_normal((1, 2, 8, 16), dtype=np.float32)
+    >>> v = rng.standard_normal((1, 2, 8, 16), dtype=np.float32)
+    >>> numattn.attention(q, k, v, causal=True).shape
+    (1, 4, 8, 16)
+    """
+    # flags and scale enter the key with their types, so that a cached plan never
+    # accepts what validation would reject (1 == True, but causal=1 is an error)
+    key = (
+        _signature(q), _signature(k), _signature(v), _signature(out),
+        causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
+    )
+    try:
+        plan = _PLANS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
+        q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
+        plan = _make_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
+        if all(part is not _UNCACHED for part in key[:4]):
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan(q, k, v, out)

@@ -1,0 +1,1 @@
+"""Kernel-graph superoptimizer (graph IR, matching, candidates, verification, tuning, cache)."""

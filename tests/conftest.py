@@ -1,0 +1,25 @@
+import os
+
+import numpy as np
+import pytest
+
+import numattn  # first: selects the simulator when there is no GPU
+
+# Absolute tolerance on outputs of unit-variance attention, per input dtype:
+# a few ulps of the output format after fp32 accumulation.
+ATOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (running in numba's CUDA simulator)")
+    for item in items:
+        if "gpu" in item.keywords and numattn.SIMULATOR:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test; its seed is printed so that a failure can be replayed."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed: {seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,42 @@
+"""Input construction and comparison shared by the tests."""
+
+import numpy as np
+
+from numattn import reference
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # numpy has no bfloat16; tests build bf16 through torch instead
+    BF16 = None
+
+
+def random_qkv(rng, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim, head_dim_v=None, layout="bhsd"):
+    """Float32 numpy q, k, v with unit-variance entries in ``layout``."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    shapes = [
+        (batch, heads_q, seqlen_q, head_dim),
+        (batch, heads_kv, seqlen_kv, head_dim),
+        (batch, heads_kv, seqlen_kv, head_dim_v),
+    ]
+    arrays = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    if layout == "bshd":
+        arrays = [np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in arrays]
+    return arrays
+
+
+def as_dtype(arrays, dtype, library="numpy"):
+    """Cast float32 numpy arrays to ``dtype`` in ``library`` ("numpy" or "torch")."""
+    if library == "torch" or dtype == "bfloat16":
+        import torch
+
+        return [torch.from_numpy(a).to(getattr(torch, dtype)) for a in arrays]
+    return [a.astype(dtype) for a in arrays]
+
+
+def max_error(actual, expected):
+    actual = reference.to_float64(actual)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert np.isfinite(actual).all(), "non-finite values in the output"
+    return float(np.abs(actual - expected).max())

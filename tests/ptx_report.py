@@ -1,0 +1,47 @@
+"""Compile numattn kernels to PTX without a GPU and print facts about the code, as JSON.
+
+Run as a script with NUMBA_ENABLE_CUDASIM=0 (the tests do this in a subprocess,
+since their own process may be running the simulator).
+"""
+
+import json
+import re
+import sys
+import types as pytypes
+
+import numba.cuda.dispatcher
+
+# numba compiles device functions for the current device's compute capability;
+# with no GPU present, name one.
+numba.cuda.dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
+
+from numba import cuda, types  # noqa: E402
+
+from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
+
+
+def report(ptx):
+    return {
+        "local_bytes": sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
+        "local_ops": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+        "f64_ops": len(re.findall(r"\.f64\b", ptx)),
+        "mnemonics": sorted(set(re.findall(r"^\s*((?:cvt|ex2|lg2)\.[\w.]+)", ptx, re.M))),
+    }
+
+
+def main():
+    results = {}
+    for dtype in ("float16", "bfloat16", "float32"):
+        for causal in (False, True):
+            for head_dim in (64, 128):
+                config = SimtConfig(64, 32, 128, 8)
+                kernel = simt_attention_kernel(config, dtype, head_dim, head_dim, causal, True)
+                storage = types.float32 if dtype == "float32" else types.uint16
+                sig = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
+                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
+                results[f"{dtype}-causal{int(causal)}-d{head_dim}"] = report(ptx)
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""numattn.attention against the float64 reference (simulator on CPU, real kernels on a GPU)."""
+
+import numpy as np
+import pytest
+import torch
+
+import numattn
+from numattn import reference
+
+from conftest import ATOL
+from helpers import as_dtype, max_error, random_qkv
+
+pytestmark = pytest.mark.sim
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_q,heads_kv", [(2, 2), (4, 2), (4, 1)])
+@pytest.mark.parametrize("seqlen_q,seqlen_kv", [(1, 7), (7, 1), (33, 20), (17, 65)])
+def test_matches_reference(rng, dtype, causal, heads_q, heads_kv, seqlen_q, seqlen_kv):
+    q, k, v = as_dtype(random_qkv(rng, 1, heads_q, heads_kv, seqlen_q, seqlen_kv, 16), dtype)
+    o = numattn.attention(q, k, v, causal=causal)
+    assert o.dtype == q.dtype and type(o) is type(q)
+    assert max_error(o, reference.attention(q, k, v, causal=causal)) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(16, 16), (40, 40), (64, 64), (128, 128), (16, 40), (64, 24)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_head_dims(rng, head_dim, head_dim_v, dtype):
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 5, 18, head_dim, head_dim_v), dtype)
+    o = numattn.attention(q, k, v, causal=True)
+    assert o.shape == (1, 2, 5, head_dim_v)
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_lse(rng, dtype, causal):
+    q, k, v = as_dtype(random_qkv(rng, 2, 2, 1, 19, 23, 16), dtype)
+    o, lse = numattn.attention(q, k, v, causal=causal, return_lse=True, scale=0.3)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, scale=0.3)
+    assert max_error(o, ref_o) <= ATOL[dtype]
+    assert lse.dtype in (np.float32, torch.float32) and tuple(lse.shape) == (2, 2, 19)
+    assert max_error(lse, ref_lse) <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+def test_rows_without_visible_keys(rng):
+    """Causal with seqlen_q > seqlen_kv: the first queries see no key and return exact zeros."""
+    q, k, v = random_qkv(rng, 1, 2, 2, 20, 6, 16)
+    o, lse = numattn.attention(q, k, v, causal=True, return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    blind = 20 - 6  # rows 0..13 see nothing
+    assert np.all(o[:, :, :blind] == 0) and np.all(np.isneginf(lse[:, :, :blind]))
+    assert max_error(o, ref_o) <= ATOL["float32"]
+    assert np.abs(lse[:, :, blind:] - ref_lse[:, :, blind:]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bshd_layout(rng, dtype):
+    q, k, v = as_dtype(random_qkv(rng, 2, 4, 2, 9, 21, 16, layout="bshd"), dtype)
+    o = numattn.attention(q, k, v, layout="bshd", causal=True)
+    assert tuple(o.shape) == (2, 9, 4, 16)
+    assert max_error(o, reference.attention(q, k, v, layout="bshd", causal=True)) <= ATOL[dtype]
+
+
+def test_strided_views_are_read_in_place(rng):
+    """Transposed, sliced and head-broadcast views, read through their strides."""
+    big = rng.standard_normal((2, 30, 6, 40), dtype=np.float32)
+    q = big[:, 3:14, :4, :16].transpose(0, 2, 1, 3)  # (2, 4, 11, 16) from a bshd buffer
+    k = big[:, ::2, 4:5, 16:32].transpose(0, 2, 1, 3)  # (2, 1, 15, 16), every other position
+    v = np.broadcast_to(big[:, :15, 5:6, 20:], (2, 15, 1, 20)).transpose(0, 2, 1, 3)
+    o = numattn.attention(q, k, v, causal=True)
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL["float32"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_cpu_tensors(rng, dtype):
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 2, 12, 12, 16), dtype, library="torch")
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous view
+    o = numattn.attention(q_t, k, v, causal=True)
+    assert isinstance(o, torch.Tensor) and o.dtype == q.dtype and o.device.type == "cpu"
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_out_argument(rng, library):
+    """A poisoned ``out`` is overwritten in place, every element."""
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 10, 14, 16), "float16", library)
+    if library == "torch":
+        out = torch.full((1, 2, 10, 16), float("nan"), dtype=torch.float16)
+    else:
+        out = np.full((1, 2, 10, 16), np.nan, dtype=np.float16)
+    result = numattn.attention(q, k, v, out=out)
+    assert result is out
+    assert max_error(out, reference.attention(q, k, v)) <= ATOL["float16"]
+
+
+def test_numba_device_arrays(rng):
+    from numba import cuda
+
+    q, k, v = (cuda.to_device(a) for a in random_qkv(rng, 1, 2, 1, 9, 13, 16))
+    o = numattn.attention(q, k, v, causal=True)
+    assert type(o) is type(q)
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL["float32"]
+
+
+def test_repeated_calls_reuse_the_plan(rng):
+    from numattn.ops import attention as module
+
+    q, k, v = random_qkv(rng, 1, 2, 2, 8, 8, 16)
+    numattn.attention(q, k, v)
+    plans = len(module._PLANS)
+    q2, k2, v2 = random_qkv(rng, 1, 2, 2, 8, 8, 16)
+    o = numattn.attention(q2, k2, v2)
+    assert len(module._PLANS) == plans
+    assert max_error(o, reference.attention(q2, k2, v2)) <= ATOL["float32"]
+
+
+def test_dlpack_host_object(rng):
+    q, k, v = random_qkv(rng, 1, 1, 1, 5, 6, 16)
+
+    class OnlyDLPack:
+        def __init__(self, a):
+            self._a = a
+
+        def __dlpack__(self, **kwargs):
+            return self._a.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    o = numattn.attention(OnlyDLPack(q), OnlyDLPack(k), OnlyDLPack(v))
+    assert max_error(o, reference.attention(q, k, v)) <= ATOL["float32"]

@@ -1,0 +1,137 @@
+"""numattn.attention on a real GPU at realistic sizes: torch CUDA tensors, streams, other libraries."""
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import reference
+
+from conftest import ATOL
+from helpers import as_dtype, max_error, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+
+def cuda_qkv(rng, dtype, *shape_args, layout="bhsd"):
+    return [t.cuda() for t in as_dtype(random_qkv(rng, *shape_args, layout=layout), dtype, "torch")]
+
+
+def sdpa_reference(q, k, v, causal, scale=None):
+    """torch SDPA in float32 on the GPU, with GQA heads expanded and the bottom-right causal mask."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.float().repeat_interleave(group, dim=1) for x in (k, v))
+    mask = None
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(diagonal=sk - sq)
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (2, 8, 8, 257, 257, 64, 64),
+        (1, 8, 2, 1000, 1000, 128, 128),
+        (2, 4, 1, 97, 1025, 64, 64),
+        (1, 4, 4, 333, 77, 256, 256),
+        (1, 6, 3, 130, 190, 40, 72),
+    ],
+)
+def test_against_float64_and_sdpa(rng, dtype, causal, shape):
+    batch, hq, hkv, sq, skv, d, dv = shape
+    q, k, v = cuda_qkv(rng, dtype, batch, hq, hkv, sq, skv, d, dv)
+    out = torch.full((batch, hq, sq, dv), float("nan"), dtype=q.dtype, device="cuda")
+    o, lse = numattn.attention(q, k, v, causal=causal, out=out, return_lse=True)
+    assert o is out and lse.device == q.device
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL[dtype]
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
+    assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4
+    if sq <= skv:  # SDPA returns NaN for rows with no visible key
+        sdpa = sdpa_reference(q, k, v, causal)
+        low_precision = max_error(sdpa.to(q.dtype), ref_o)
+        assert max_error(o, ref_o) <= 2 * low_precision + 1e-6
+
+
+def test_bshd_and_strided_views(rng):
+    q, k, v = cuda_qkv(rng, "bfloat16", 2, 8, 2, 300, 300, 128, layout="bshd")
+    o = numattn.attention(q, k, v, layout="bshd", causal=True)
+    assert o.shape == (2, 300, 8, 128)
+    assert max_error(o, reference.attention(q, k, v, layout="bshd", causal=True)) <= ATOL["bfloat16"]
+    # a bhsd view of the same buffers, read through its strides
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    o2 = numattn.attention(qt, kt, vt, causal=True)
+    assert torch.equal(o2, o.transpose(1, 2))
+
+
+def test_runs_on_torch_current_stream(rng):
+    q, k, v = cuda_qkv(rng, "float16", 1, 8, 8, 512, 512, 64)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):  # keep the side stream busy so that a wrong stream would race
+            big = big @ big / 64
+        o = numattn.attention(q, k, v)
+        checksum = o.float().sum()
+    stream.synchronize()
+    assert max_error(o, reference.attention(q, k, v)) <= ATOL["float16"]
+    assert torch.isfinite(checksum)
+
+
+def test_numpy_and_torch_cpu_inputs_run_on_gpu(rng):
+    q, k, v = random_qkv(rng, 1, 4, 2, 200, 150, 64)
+    o = numattn.attention(q, k, v, causal=True)
+    assert isinstance(o, np.ndarray)
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL["float32"]
+    qt, kt, vt = as_dtype([q, k, v], "bfloat16", "torch")
+    ot = numattn.attention(qt, kt, vt)
+    assert ot.device.type == "cpu" and ot.dtype == torch.bfloat16
+    assert max_error(ot, reference.attention(qt, kt, vt)) <= ATOL["bfloat16"]
+
+
+def test_numba_device_arrays(rng):
+    from numba import cuda
+
+    arrays = random_qkv(rng, 2, 4, 4, 100, 120, 64)
+    q, k, v = (cuda.to_device(a.astype(np.float16)) for a in arrays)
+    o = numattn.attention(q, k, v, causal=True)
+    assert isinstance(o, type(q)) and o.dtype == np.float16
+    assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL["float16"]
+
+
+def test_cupy_arrays(rng):
+    cupy = pytest.importorskip("cupy")
+    arrays = random_qkv(rng, 1, 4, 2, 90, 70, 64)
+    q, k, v = (cupy.asarray(a) for a in arrays)
+    o = numattn.attention(q, k, v)
+    assert isinstance(o, cupy.ndarray)
+    assert max_error(o, reference.attention(q, k, v)) <= ATOL["float32"]
+
+
+def test_dlpack_only_device_object(rng):
+    q, k, v = cuda_qkv(rng, "float16", 1, 2, 2, 64, 64, 64)
+
+    class OnlyDLPack:
+        def __init__(self, t):
+            self._t = t
+
+        def __dlpack__(self, **kwargs):
+            return self._t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._t.__dlpack_device__()
+
+    o = numattn.attention(OnlyDLPack(q), OnlyDLPack(k), OnlyDLPack(v))
+    assert max_error(o, reference.attention(q, k, v)) <= ATOL["float16"]
+
+
+def test_mixed_devices_rejected(rng):
+    q, k, v = cuda_qkv(rng, "float16", 1, 2, 2, 8, 8, 64)
+    with pytest.raises(ValueError, match=r"one device, got q on GPU 0, k on host memory, v on GPU 0"):
+        numattn.attention(q, k.cpu(), v)
