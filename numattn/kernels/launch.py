@@ -3,7 +3,7 @@
 numba's dispatcher re-types and re-flattens its arguments on every launch,
 which costs tens of microseconds of host time. Here a kernel is compiled once
 per specialisation and device, its argument block is built once per call
-signature (``ArgumentBlock``), and each launch only writes the data pointers
+signature (``PreparedLaunch``), and each launch only writes the data pointers
 that changed into that block before calling ``cuLaunchKernel``.
 
 In numba's argument ABI an array becomes ``(meminfo, parent, nitems, itemsize,
@@ -12,6 +12,7 @@ their own width. In the simulator, ``SimulatedKernel`` launches the numba
 dispatcher on numpy arrays instead.
 """
 
+import ctypes
 import functools
 import sys
 import threading
@@ -22,6 +23,8 @@ from .._cuda import SIMULATOR, cuda
 
 if not SIMULATOR:
     from cuda.bindings import driver as _driver
+
+    _SUCCESS = _driver.CUresult.CUDA_SUCCESS
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 
@@ -65,28 +68,6 @@ def flatten_array(ptr, shape, strides, itemsize):
     return (0, 0, nitems, itemsize, ptr, *shape, *(s * itemsize for s in strides))
 
 
-class ArgumentBlock:
-    """A kernel's packed arguments, built once; pointer slots are rewritten per launch.
-
-    ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
-    ``np.float32`` values 4 of them. ``pointer_slots`` are the indices of the
-    fields that change between launches.
-    """
-
-    def __init__(self, fields, pointer_slots):
-        self.values = np.zeros(len(fields), dtype=np.uint64)
-        as_f32 = self.values.view(np.float32)
-        for i, field in enumerate(fields):
-            if isinstance(field, np.float32):
-                as_f32[2 * i] = field
-            else:
-                self.values[i] = int(field) & 0xFFFFFFFFFFFFFFFF
-        base = self.values.ctypes.data
-        self.addresses = np.arange(len(fields), dtype=np.uint64) * np.uint64(8) + np.uint64(base)
-        self.address = self.addresses.ctypes.data
-        self.pointer_slots = tuple(pointer_slots)
-
-
 class CompiledKernel:
     """A numba kernel compiled for one signature and loaded on one device."""
 
@@ -111,18 +92,47 @@ class CompiledKernel:
                     _driver.CUdevice(device_id),
                 )
             )
-        self._lock = threading.Lock()
 
-    def launch(self, stream, grid, block, block_args, pointers):
-        """Launch on raw stream handle ``stream`` with ``pointers`` written into ``block_args``."""
-        values = block_args.values
-        with self._lock:  # the block is shared: fill and launch as one step
-            for slot, ptr in zip(block_args.pointer_slots, pointers):
-                values[slot] = ptr
-            err = _driver.cuLaunchKernel(
-                self.function, grid, 1, 1, block, 1, 1, self.shared_bytes, stream, block_args.address, 0
-            )[0]
-        if err != _driver.CUresult.CUDA_SUCCESS:
+    def prepare(self, grid, block, fields, pointer_slots):
+        """A ``PreparedLaunch`` of this kernel with the given flattened arguments."""
+        return PreparedLaunch(self, grid, block, fields, pointer_slots)
+
+
+class PreparedLaunch:
+    """A kernel with its grid and packed arguments; each call rewrites the data pointers and launches.
+
+    ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
+    ``np.float32`` values the low half of one. ``pointer_slots`` index the
+    fields that change between launches, in the order ``__call__`` takes them.
+    """
+
+    def __init__(self, kernel, grid, block, fields, pointer_slots):
+        self.kernel, self.grid, self.block = kernel, grid, block
+        self._values = np.zeros(len(fields), dtype=np.uint64)
+        as_f32 = self._values.view(np.float32)
+        for i, field in enumerate(fields):
+            if isinstance(field, np.float32):
+                as_f32[2 * i] = field
+            else:
+                self._values[i] = int(field) & 0xFFFFFFFFFFFFFFFF
+        self._slots = ctypes.cast(self._values.ctypes.data, ctypes.POINTER(ctypes.c_uint64))
+        # cuLaunchKernel takes an array holding the address of each argument
+        self._addresses = np.uint64(self._values.ctypes.data) + np.arange(len(fields), dtype=np.uint64) * 8
+        self._params = self._addresses.ctypes.data
+        self._pointer_slots = tuple(pointer_slots)
+        self._lock = threading.Lock()  # the argument block is shared: fill and launch as one step
+        self._launch = functools.partial(
+            _driver.cuLaunchKernel, kernel.function, grid, 1, 1, block, 1, 1, kernel.shared_bytes
+        )
+
+    def __call__(self, stream, *pointers):
+        """Launch on the raw stream handle ``stream``."""
+        slots = self._slots
+        with self._lock:
+            for slot, ptr in zip(self._pointer_slots, pointers):
+                slots[slot] = ptr
+            err = self._launch(stream, self._params, 0)[0]
+        if err != _SUCCESS:
             _check((err,))
 
 

@@ -21,7 +21,7 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda
 from ..kernels.attention_simt import choose_simt_config, simt_attention_kernel
-from ..kernels.launch import ArgumentBlock, compiled, device_limits, flatten_array
+from ..kernels.launch import compiled, device_limits, flatten_array
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
 _LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
@@ -150,11 +150,10 @@ class _DevicePlan:
         dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
         storage = types.uint16 if p.dtype != "float32" else types.float32
         argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
-        self.kernel = compiled(dispatcher, argtypes, p.device, config.shared_bytes(p.head_dim, p.head_dim_v))
-        self.grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
-        if self.grid > _MAX_GRID:
-            raise ValueError(f"problem too large: {self.grid} thread blocks exceed the grid limit")
-        self.block = config.num_threads
+        kernel = compiled(dispatcher, argtypes, p.device, config.shared_bytes(p.head_dim, p.head_dim_v))
+        grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
+        if grid > _MAX_GRID:
+            raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
         self.problem = p
 
         itemsize = 4 if p.dtype == "float32" else 2
@@ -171,10 +170,7 @@ class _DevicePlan:
             slots.append(len(fields) + 4)  # the data pointer's place among the array's fields
             fields.extend(flatten_array(0, shape, strides, size))
         fields.append(np.float32(p.scale * _LOG2E))
-        self.args = ArgumentBlock(fields, slots)
-
-    def launch(self, stream, q, k, v, o, lse):
-        self.kernel.launch(stream, self.grid, self.block, self.args, (q, k, v, o, lse))
+        self.launch = kernel.prepare(grid, config.num_threads, fields, slots)  # (stream, q, k, v, o, lse)
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -200,30 +196,27 @@ class _TorchPlan(_DevicePlan):
         import torch
 
         self._torch = torch
-        self._dtype = getattr(torch, p.dtype)
-        self._device = torch.device("cuda", p.device)
+        self._get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        # torch.empty_like(q) is the cheapest allocation; it has the output's
+        # shape, dtype and (contiguous) strides exactly when q is contiguous and Dv == D
+        self._out_like_q = p.head_dim_v == p.head_dim and p.q.strides == _contiguous(p.q.shape)
 
     def __call__(self, q, k, v, out):
-        if self._torch.cuda.current_device() != self.problem.device:
-            with self._torch.cuda.device(self.problem.device):
-                return self._run(q, k, v, out)
-        return self._run(q, k, v, out)
-
-    def _run(self, q, k, v, out):
-        p, torch = self.problem, self._torch
+        p = self.problem
+        if self._get_device() != p.device:
+            with self._torch.cuda.device(p.device):
+                return self(q, k, v, out)
         if out is None:
-            out = torch.empty(p.out_shape, dtype=self._dtype, device=self._device)
-        lse = torch.empty(p.lse_shape, dtype=torch.float32, device=self._device) if p.return_lse else None
-        self.kernel.launch(
-            self._stream(p.device),
-            self.grid,
-            self.block,
-            self.args,
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr()),
-        )
-        return (out, lse) if p.return_lse else out
+            out = self._torch.empty_like(q) if self._out_like_q else q.new_empty(p.out_shape)
+        if p.return_lse:
+            lse = q.new_empty(p.lse_shape, dtype=self._torch.float32)
+            self.launch(self._stream(p.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                        lse.data_ptr())
+            return out, lse
+        self.launch(self._stream(p.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
+        return out
 
 
 class _HostPlan:
@@ -300,12 +293,25 @@ _MAX_PLANS = 4096
 _UNCACHED = object()
 
 
+def _key(q, k, v, out, causal, scale, layout, return_lse):
+    """Plan-cache key of a call whose arrays have ``.stride()`` (torch); AttributeError otherwise.
+
+    Flags and scale enter with their types, so that a cached plan never accepts
+    what validation would reject (``1 == True``, but ``causal=1`` is an error).
+    """
+    return (
+        q.__class__, q.dtype, q.shape, q.stride(), q.device,
+        k.__class__, k.dtype, k.shape, k.stride(), k.device,
+        v.__class__, v.dtype, v.shape, v.stride(), v.device,
+        None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device),
+        causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
+    )
+
+
 def _signature(x):
-    """Hashable description of everything about ``x`` a plan depends on, except its data."""
+    """Hashable description of a numpy array's metadata (what a plan depends on)."""
     if x is None:
         return None
-    if is_torch(x):
-        return (x.dtype, x.shape, x.stride(), x.device)
     if isinstance(x, np.ndarray):
         return (x.dtype, x.shape, x.strides)
     return _UNCACHED  # other libraries: validated and planned on every call
@@ -370,19 +376,30 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     >>> numattn.attention(q, k, v, causal=True).shape
     (1, 4, 8, 16)
     """
-    # flags and scale enter the key with their types, so that a cached plan never
-    # accepts what validation would reject (1 == True, but causal=1 is an error)
-    key = (
-        _signature(q), _signature(k), _signature(v), _signature(out),
-        causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
-    )
     try:
-        plan = _PLANS[key]
-    except (KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
+        plan = _PLANS[_key(q, k, v, out, causal, scale, layout, return_lse)]
+    except (AttributeError, KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
+        plan, q, k, v, out = _slow_path(q, k, v, out, causal, scale, layout, return_lse)
+    return plan(q, k, v, out)
+
+
+def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
+    """Validate and plan a call missing from the cache; cache the plan when the arguments allow."""
+    try:
+        key = _key(q, k, v, out, causal, scale, layout, return_lse)
+    except AttributeError:
+        key = (_signature(q), _signature(k), _signature(v), _signature(out), causal.__class__, causal,
+               scale.__class__, scale, layout, return_lse.__class__, return_lse)
+    try:
+        cacheable = all(part is not _UNCACHED for part in key) and hash(key) is not None
+    except TypeError:
+        cacheable = False
+    plan = _PLANS.get(key) if cacheable else None
+    if plan is None:
         q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
         plan = _make_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
-        if all(part is not _UNCACHED for part in key[:4]):
+        if cacheable:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()
             _PLANS[key] = plan
-    return plan(q, k, v, out)
+    return plan, q, k, v, out

@@ -1,0 +1,65 @@
+"""asv benchmarks of numattn.attention on the GPU (skipped on machines without one).
+
+``track_*`` report the median GPU milliseconds from CUDA events and ``time_*``
+the host time of one call, so that both kernel speed and launch overhead are
+tracked across commits. Each class compares with torch SDPA in the same run.
+"""
+
+import numattn
+from numattn.bench import cuda_time_ms
+
+
+def _cuda_torch():
+    if numattn.SIMULATOR:
+        raise NotImplementedError("needs an NVIDIA GPU")
+    import torch
+
+    return torch
+
+
+class AttentionForward:
+    params = ([(4, 16, 1024, 64), (2, 16, 2048, 128)], ["float16", "bfloat16", "float32"], [False, True])
+    param_names = ["shape", "dtype", "causal"]
+    unit = "ms"
+
+    def setup(self, shape, dtype, causal):
+        torch = _cuda_torch()
+        self.q, self.k, self.v = (torch.randn(*shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3))
+        numattn.attention(self.q, self.k, self.v, causal=causal)  # compile outside the timing
+
+    def track_numattn_ms(self, shape, dtype, causal):
+        return cuda_time_ms(lambda: numattn.attention(self.q, self.k, self.v, causal=causal))
+
+    def track_sdpa_ms(self, shape, dtype, causal):
+        import torch
+
+        return cuda_time_ms(
+            lambda: torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v, is_causal=causal)
+        )
+
+    track_numattn_ms.unit = track_sdpa_ms.unit = "ms"
+
+
+class LaunchOverhead:
+    """Host time of one call on tiny inputs: the launcher's overhead."""
+
+    def setup(self):
+        torch = _cuda_torch()
+        self.q, self.k, self.v = (torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        numattn.attention(self.q, self.k, self.v)
+
+    def time_attention_tiny(self):
+        numattn.attention(self.q, self.k, self.v)
+
+
+if __name__ == "__main__":  # run without asv: python asv_bench/benchmarks/attention.py
+    import itertools
+    import timeit
+
+    bench = AttentionForward()
+    for params in itertools.product(*AttentionForward.params):
+        bench.setup(*params)
+        print(params, f"numattn {bench.track_numattn_ms(*params):.3f} ms, sdpa {bench.track_sdpa_ms(*params):.3f} ms")
+    overhead = LaunchOverhead()
+    overhead.setup()
+    print(f"tiny call: {min(timeit.repeat(overhead.time_attention_tiny, number=200, repeat=20)) / 200 * 1e6:.1f} µs")
