@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import numattn
 from numattn import reference
@@ -133,3 +135,26 @@ def test_dlpack_host_object(rng):
 
     o = numattn.attention(OnlyDLPack(q), OnlyDLPack(k), OnlyDLPack(v))
     assert max_error(o, reference.attention(q, k, v)) <= ATOL["float32"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    group=st.sampled_from([1, 2, 3]),
+    heads_kv=st.integers(1, 2),
+    seqlen_q=st.integers(1, 40),
+    seqlen_kv=st.integers(1, 40),
+    head_dim=st.sampled_from([8, 16, 24]),
+    head_dim_v=st.sampled_from([8, 16, 20]),
+    causal=st.booleans(),
+    layout=st.sampled_from(["bhsd", "bshd"]),
+    scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+)
+def test_any_small_problem(rng, group, heads_kv, seqlen_q, seqlen_kv, head_dim, head_dim_v, causal, layout, scale):
+    """Property: any consistent small problem matches the float64 reference, output and LSE."""
+    q, k, v = random_qkv(rng, 1, group * heads_kv, heads_kv, seqlen_q, seqlen_kv, head_dim, head_dim_v, layout)
+    o, lse = numattn.attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, scale=scale, layout=layout, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["float32"]
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    seen = np.isfinite(ref_lse)
+    assert np.abs(lse[seen] - ref_lse[seen]).max(initial=0.0) <= 1e-5 * (1 + np.abs(ref_lse[seen]).max(initial=0.0))
