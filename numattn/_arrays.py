@@ -20,7 +20,6 @@ else:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray as _NumbaDeviceArray
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _STORAGE = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
 _TYPESTR = {"f2": "float16", "f4": "float32", "f8": "float64"}
 
@@ -152,8 +151,8 @@ def cai_stream(x):
 
 
 def storage_dtype(dtype):
-    """numpy dtype that carries elements of ``dtype`` inside kernels."""
-    return _STORAGE[dtype]
+    """numpy dtype that carries elements of ``dtype`` inside kernels (16-bit floats as uint16)."""
+    return np.dtype(_STORAGE[dtype])
 
 
 def host_storage(x, op):

@@ -40,3 +40,16 @@ def max_error(actual, expected):
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert np.isfinite(actual).all(), "non-finite values in the output"
     return float(np.abs(actual - expected).max())
+
+
+class OnlyDLPack:
+    """An array that speaks DLPack and nothing else (as some libraries' arrays do)."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()

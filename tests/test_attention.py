@@ -10,7 +10,7 @@ import numattn
 from numattn import reference
 
 from conftest import ATOL
-from helpers import as_dtype, max_error, random_qkv
+from helpers import OnlyDLPack, as_dtype, max_error, random_qkv
 
 pytestmark = pytest.mark.sim
 
@@ -122,16 +122,6 @@ def test_repeated_calls_reuse_the_plan(rng):
 
 def test_dlpack_host_object(rng):
     q, k, v = random_qkv(rng, 1, 1, 1, 5, 6, 16)
-
-    class OnlyDLPack:
-        def __init__(self, a):
-            self._a = a
-
-        def __dlpack__(self, **kwargs):
-            return self._a.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._a.__dlpack_device__()
 
     o = numattn.attention(OnlyDLPack(q), OnlyDLPack(k), OnlyDLPack(v))
     assert max_error(o, reference.attention(q, k, v)) <= ATOL["float32"]

@@ -7,7 +7,7 @@ import numattn
 from numattn import reference
 
 from conftest import ATOL
-from helpers import as_dtype, max_error, random_qkv
+from helpers import OnlyDLPack, as_dtype, max_error, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -116,16 +116,6 @@ def test_cupy_arrays(rng):
 
 def test_dlpack_only_device_object(rng):
     q, k, v = cuda_qkv(rng, "float16", 1, 2, 2, 64, 64, 64)
-
-    class OnlyDLPack:
-        def __init__(self, t):
-            self._t = t
-
-        def __dlpack__(self, **kwargs):
-            return self._t.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self):
-            return self._t.__dlpack_device__()
 
     o = numattn.attention(OnlyDLPack(q), OnlyDLPack(k), OnlyDLPack(v))
     assert max_error(o, reference.attention(q, k, v)) <= ATOL["float16"]

@@ -2,7 +2,7 @@
 
 * ``tile_view`` carves a 2-D tile with compile-time shape out of the dynamic
   shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
-* ``WIDEN`` / ``NARROW`` map a storage dtype name to the conversion a kernel
+* ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
 """
 
@@ -14,8 +14,7 @@ from numba.cuda.np.arrayobj import make_array, populate_array
 
 from .ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
 
-# Storage dtype of each element type inside kernels: 16-bit floats travel as bit patterns.
-STORAGE = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
+# Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
 WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
 NARROW = {"float16": cvt_rn_f16_f32, "bfloat16": cvt_rn_bf16_f32, "float32": np.float32}
 

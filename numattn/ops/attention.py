@@ -3,6 +3,7 @@
 import math
 from dataclasses import dataclass, replace
 
+import numba
 import numpy as np
 from numba import types
 
@@ -141,22 +142,27 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
     return problem
 
 
+def _simt_kernel(p, device):
+    """Tile configuration, numba kernel and grid size of the SIMT kernel for problem ``p``."""
+    config = choose_simt_config(p.head_dim, p.head_dim_v, device_limits(device)["max_shared"], SIMULATOR)
+    dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+    grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
+    if grid > _MAX_GRID:
+        raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
+    return config, dispatcher, grid
+
+
 class _DevicePlan:
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
     def __init__(self, p):
-        limits = device_limits(p.device)
-        config = choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"])
-        dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
-        storage = types.uint16 if p.dtype != "float32" else types.float32
+        config, dispatcher, grid = _simt_kernel(p, p.device)
+        storage = numba.from_dtype(storage_dtype(p.dtype))
         argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
         kernel = compiled(dispatcher, argtypes, p.device, config.shared_bytes(p.head_dim, p.head_dim_v))
-        grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
-        if grid > _MAX_GRID:
-            raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
         self.problem = p
 
-        itemsize = 4 if p.dtype == "float32" else 2
+        itemsize = storage_dtype(p.dtype).itemsize
         out_strides = p.out.strides if p.out is not None else _contiguous(p.out_shape)
         arrays = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
@@ -249,17 +255,15 @@ class _HostPlan:
             0 if lse is None else lse.device_ctypes_pointer.value,
         )
         result = _deliver(o.copy_to_host(), q, out, p)
-        return (result, _lse_like(lse.copy_to_host(), q)) if p.return_lse else result
+        return (result, wrap_host(lse.copy_to_host(), q, "float32")) if p.return_lse else result
 
 
 class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
     def __init__(self, p):
-        config = choose_simt_config(p.head_dim, p.head_dim_v, device_limits(0)["max_shared"], simulator=True)
-        dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+        config, dispatcher, self.grid = _simt_kernel(p, 0)
         self.kernel = compiled(dispatcher, None, 0, config.shared_bytes(p.head_dim, p.head_dim_v))
-        self.grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
         self.block = config.num_threads
         self.problem = p
 
@@ -273,7 +277,7 @@ class _SimulatorPlan:
             self.grid, self.block, *views, o.transpose(axes), lse, np.float32(p.scale * _LOG2E)
         )
         result = _deliver(o, q, out, p)
-        return (result, _lse_like(lse, q)) if p.return_lse else result
+        return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
 
 def _deliver(o_storage, q, out, p):
@@ -286,10 +290,6 @@ def _deliver(o_storage, q, out, p):
     else:
         host_storage(out, p.out)[...] = o_storage
     return out
-
-
-def _lse_like(lse, q):
-    return wrap_host(lse, q, "float32")
 
 
 _PLANS = {}
