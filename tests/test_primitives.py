@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import numattn
+
 from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
 from numattn.kernels.tiles import tile_view
 
@@ -114,3 +116,61 @@ def test_conversions_on_gpu_match_twins(rng):
         expected = np.array([twin(x) for x in floats], dtype=np.uint16)
         bad = np.flatnonzero(gpu != expected)
         assert bad.size == 0, [(floats[i], hex(gpu[i]), hex(expected[i])) for i in bad[:8]]
+
+
+def _run_mma_kernel(rng, bf16):
+    from warp_kernels import SHARED_BYTES, make_mma_kernel
+
+    a = rng.standard_normal((16, 16)).astype(np.float32)
+    b = rng.standard_normal((16, 16)).astype(np.float32)
+    if bf16:
+        to_bits = lambda m: torch.from_numpy(m).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # noqa: E731
+        from_bits = lambda m: torch.from_numpy(m.view(np.int16)).view(torch.bfloat16).double().numpy()  # noqa: E731
+    else:
+        to_bits = lambda m: m.astype(np.float16).view(np.uint16)  # noqa: E731
+        from_bits = lambda m: m.view(np.float16).astype(np.float64)  # noqa: E731
+    a_bits, b_bits = to_bits(a), to_bits(b)
+    d_bt = np.full((16, 16), np.nan, np.float32)
+    d_b = np.full((16, 16), np.nan, np.float32)
+    from numba import cuda
+
+    args = [cuda.to_device(x) for x in (a_bits, np.ascontiguousarray(b_bits.T), b_bits, d_bt, d_b)]
+    make_mma_kernel(bf16)[1, 32, 0, SHARED_BYTES](*args)
+    expected = from_bits(a_bits) @ from_bits(b_bits)
+    return args[3].copy_to_host(), args[4].copy_to_host(), expected
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_ldmatrix_mma_fragments(rng, bf16, where):
+    """cp.async → ldmatrix (plain and .trans) → mma reproduces A·B: the fragment layouts agree."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    d_from_bt, d_from_b, expected = _run_mma_kernel(rng, bf16)
+    np.testing.assert_allclose(d_from_bt, expected, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(d_from_b, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_pack_shuffle_ex2_zero_fill(rng, where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import misc_kernel
+
+    x = (rng.standard_normal((32, 2)) * 3).astype(np.float32)
+    outs = [np.zeros(32, np.uint32), np.zeros(32, np.uint32), np.zeros((32, 4), np.float32),
+            np.zeros(32, np.float32), np.zeros(32, np.float32), np.ones((32, 8), np.uint16)]
+    dev = [cuda.to_device(o) for o in [x] + outs]
+    misc_kernel[1, 32, 0, 32 * 8 * 2](*dev)
+    f16, bf16, unpacked, shuffled, exp2, zero_filled = (d.copy_to_host() for d in dev[1:])
+    x16 = x.astype(np.float16)
+    assert np.array_equal(f16, x16[:, 0].view(np.uint16).astype(np.uint32) | x16[:, 1].view(np.uint16).astype(np.uint32) << 16)
+    xb = torch.from_numpy(x).to(torch.bfloat16)
+    xb_bits = xb.view(torch.int16).numpy().view(np.uint16).astype(np.uint32)
+    assert np.array_equal(bf16, xb_bits[:, 0] | xb_bits[:, 1] << 16)
+    assert np.array_equal(unpacked[:, :2], x16.astype(np.float32))
+    assert np.array_equal(unpacked[:, 2:], xb.float().numpy())
+    assert np.array_equal(shuffled, x[np.arange(32) ^ 5, 0])
+    np.testing.assert_allclose(exp2, np.exp2(x[:, 0].astype(np.float64)), rtol=2e-7)
+    assert np.all(zero_filled == 0)
