@@ -33,6 +33,7 @@ class Operand:
     shape: tuple
     strides: tuple
     device: object
+    ptr: int = 0  # address of element 0 on the device; 0 in host memory
 
     @property
     def where(self):
@@ -87,7 +88,8 @@ def describe(x, name):
             device = None
         else:
             raise ValueError(f"{name} is on torch device {x.device}; numattn runs on CUDA tensors or host memory")
-        return Operand("torch", dtype, tuple(x.shape), tuple(x.stride()), device)
+        ptr = x.data_ptr() if device is not None else 0
+        return Operand("torch", dtype, tuple(x.shape), tuple(x.stride()), device, ptr)
     if isinstance(x, np.ndarray):
         dtype = _numpy_dtype_name(x.dtype)
         return Operand("numpy", dtype, x.shape, _element_strides(x.strides, x.itemsize, name), None)
@@ -106,7 +108,8 @@ def describe(x, name):
         else:
             strides = _element_strides(cai["strides"], itemsize, name)
         kind = "numba" if isinstance(x, _NumbaDeviceArray) else "cai"
-        return Operand(kind, dtype, shape, strides, _cai_device(cai["data"][0]))
+        ptr = cai["data"][0]
+        return Operand(kind, dtype, shape, strides, _cai_device(ptr), ptr)
     raise TypeError(
         f"{name} must be an array (torch tensor, numpy array, numba device array, or an object with "
         f"__cuda_array_interface__ or __dlpack__), got {type(x).__name__}"

@@ -17,7 +17,13 @@ numba.cuda.dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compu
 
 from numba import cuda, types  # noqa: E402
 
+from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
+
+SIGNATURE = {
+    storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
+    for storage in (types.uint16, types.float32)
+}
 
 
 def report(ptx):
@@ -25,21 +31,24 @@ def report(ptx):
         "local_bytes": sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         "local_ops": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
-        "mnemonics": sorted(set(re.findall(r"^\s*((?:cvt|ex2|lg2)\.[\w.]+)", ptx, re.M))),
+        "mnemonics": sorted(set(re.findall(r"^\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async)\.[\w.]+)", ptx, re.M))),
     }
 
 
 def main():
     results = {}
     for dtype in ("float16", "bfloat16", "float32"):
+        storage = types.float32 if dtype == "float32" else types.uint16
         for causal in (False, True):
             for head_dim in (64, 128):
-                config = SimtConfig(64, 32, 128, 8)
-                kernel = simt_attention_kernel(config, dtype, head_dim, head_dim, causal, True)
-                storage = types.float32 if dtype == "float32" else types.uint16
-                sig = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
-                ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
-                results[f"{dtype}-causal{int(causal)}-d{head_dim}"] = report(ptx)
+                kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), dtype, head_dim, head_dim, causal, True)
+                ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[storage], cc=(9, 0))
+                results[f"simt-{dtype}-causal{int(causal)}-d{head_dim}"] = report(ptx)
+    for dtype in ("float16", "bfloat16"):
+        for head_dim, block_n in ((64, 64), (128, 64), (256, 32)):
+            kernel = mma_attention_kernel(MmaConfig(block_n, 4), dtype, head_dim, head_dim, True, True)
+            ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
+            results[f"mma-{dtype}-causal1-d{head_dim}"] = report(ptx)
     json.dump(results, sys.stdout)
 
 

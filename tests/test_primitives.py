@@ -80,15 +80,28 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 12
+    assert len(results) == 18
     for variant, facts in results.items():
+        mnemonics = set(facts["mnemonics"])
         assert facts["local_bytes"] == 0 and facts["local_ops"] == 0, (variant, facts)
         assert facts["f64_ops"] == 0, (variant, facts)
-        assert "ex2.approx.f32" in facts["mnemonics"], (variant, facts)
-        if variant.startswith("bfloat16"):
-            assert "cvt.rn.bf16.f32" in facts["mnemonics"], (variant, facts)
-        if variant.startswith("float16"):
-            assert {"cvt.f32.f16", "cvt.rn.f16.f32"} <= set(facts["mnemonics"]), (variant, facts)
+        if variant.startswith("simt"):
+            assert "ex2.approx.f32" in mnemonics, (variant, facts)
+        if variant.startswith("simt-bfloat16"):
+            assert "cvt.rn.bf16.f32" in mnemonics, (variant, facts)
+        if variant.startswith("simt-float16"):
+            assert {"cvt.f32.f16", "cvt.rn.f16.f32"} <= mnemonics, (variant, facts)
+        if variant.startswith("mma"):
+            ptx_type = "bf16" if "bfloat16" in variant else "f16"
+            assert {
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_type}.{ptx_type}.f32",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+                "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+                "cp.async.cg.shared.global",
+                "cp.async.wait_group",
+                "ex2.approx.ftz.f32",
+                f"cvt.rn.{ptx_type}x2.f32",
+            } <= mnemonics, (variant, facts)
 
 
 @pytest.mark.gpu

@@ -27,7 +27,7 @@ import numpy as np
 from numba import float32
 
 from .._cuda import cuda
-from .tiles import NARROW, WIDEN, tile_view
+from .tiles import NARROW, WIDEN, query_block, tile_view
 
 _LOG2E = np.float32(math.log2(math.e))
 _LN2 = np.float32(math.log(2.0))
@@ -136,19 +136,9 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
         p_s = tile_view(smem, P_OFF, BLOCK_M, P_ROW)
         x_s = tile_view(smem, X_OFF, BLOCK_M, THREADS_N)  # per-thread row partials
 
-        batch, heads_q, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
-        heads_kv, seqlen_kv = k.shape[1], k.shape[2]
-        # Blocks of the last query rows (the longest under causal masking) go first.
-        bh_count = batch * heads_q
-        m_block = (seqlen_q + BLOCK_M - 1) // BLOCK_M - 1 - cuda.blockIdx.x // bh_count
-        bh = cuda.blockIdx.x % bh_count
-        b, h = bh // heads_q, bh % heads_q
-        h_kv = h // (heads_q // heads_kv)
-        m0 = m_block * BLOCK_M
+        seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
         diagonal = seqlen_kv - seqlen_q
-        n_end = seqlen_kv
-        if CAUSAL:
-            n_end = min(seqlen_kv, m0 + BLOCK_M + diagonal)
+        b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
 
         tn = cuda.threadIdx.x % THREADS_N
         tm = cuda.threadIdx.x // THREADS_N

@@ -71,17 +71,31 @@ _exchange_lock = threading.Lock()
 
 
 class _WarpExchange:
+    """Slots where a warp's lanes meet. Two generations alternate, so that one
+    wait per exchange suffices: a lane can refill a generation's slots only
+    after every lane has arrived at the next exchange, hence read these."""
+
     def __init__(self, lanes):
-        self.slots = [None] * WARP_SIZE
-        self.barrier = threading.Barrier(lanes, timeout=300)
+        self.lanes = lanes
+        self.slots = ([None] * WARP_SIZE, [None] * WARP_SIZE)
+        self.results = [None, None]
+        self.arrived = [0, 0]
+        self.lock = threading.Lock()
+        # one event per lane and generation: the last lane to arrive wakes each of the others
+        self.wake = tuple([threading.Event() for _ in range(WARP_SIZE)] for _ in range(2))
+        self.generation = [0] * WARP_SIZE
 
 
 def _lane():
     return threading.current_thread().thread_id % WARP_SIZE
 
 
-def _warp_gather(value):
-    """Simulator: every lane of the caller's warp contributes ``value``; all get the 32 values in lane order."""
+def _warp_gather(value, combine=list):
+    """Simulator: every lane of the caller's warp contributes ``value``; all get ``combine(values)``.
+
+    ``values`` lists the lanes' contributions in lane order; ``combine`` runs
+    once per exchange, in the last lane to arrive.
+    """
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's per-block manager
     warp, lane = divmod(thread.thread_id, WARP_SIZE)
@@ -91,11 +105,23 @@ def _warp_gather(value):
             block_threads = int(np.prod(manager._block_dim))
             warps[warp] = _WarpExchange(min(WARP_SIZE, block_threads - warp * WARP_SIZE))
         exchange = warps[warp]
-    exchange.slots[lane] = value
-    exchange.barrier.wait()
-    values = list(exchange.slots)
-    exchange.barrier.wait()  # nobody refills the slots before every lane has read them
-    return values
+    gen = exchange.generation[lane]
+    exchange.generation[lane] = 1 - gen
+    exchange.slots[gen][lane] = value
+    with exchange.lock:
+        exchange.arrived[gen] += 1
+        last = exchange.arrived[gen] == exchange.lanes
+        if last:
+            exchange.arrived[gen] = 0
+    if last:
+        exchange.results[gen] = combine(exchange.slots[gen][: exchange.lanes])
+        for other, event in enumerate(exchange.wake[gen]):
+            if other != lane:
+                event.set()
+    else:
+        exchange.wake[gen][lane].wait()
+        exchange.wake[gen][lane].clear()
+    return exchange.results[gen]
 
 
 # --------------------------------------------------------------------------
@@ -307,22 +333,41 @@ _bind(shfl_xor_f32, _shfl_xor_f32)
 # (g = group, t = tig; a register's bits 0–15 hold the lower column or row index)
 
 
-def _mma_m16n8k16(unpack, a, b, c):
-    lanes = _warp_gather((a, b, c))
-    A = np.zeros((16, 16), np.float32)
-    B = np.zeros((16, 8), np.float32)
-    C = np.zeros((16, 8), np.float32)
-    for lane, (la, lb, lc) in enumerate(lanes):
-        g, t = divmod(lane, 4)
-        for reg, (row, col) in zip(la, ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-            A[row, col], A[row, col + 1] = unpack(reg)
-        for reg, k in zip(lb, (2 * t, 2 * t + 8)):
-            B[k, g], B[k + 1, g] = unpack(reg)
-        for value, (row, col) in zip(lc, ((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-            C[row, col] = value
-    D = A @ B + C
-    g, t = divmod(_lane(), 4)
-    return D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]
+_G, _T = np.arange(WARP_SIZE) // 4, np.arange(WARP_SIZE) % 4
+
+
+def _mma_combine(widen_bits):
+    """The warp-wide product: lanes' (a, b, c) registers in, every lane's (d0, d1, d2, d3) out."""
+
+    def combine(lanes):
+        a = np.array([lane[0] for lane in lanes], dtype=np.uint32)  # (32, 4)
+        b = np.array([lane[1] for lane in lanes], dtype=np.uint32)  # (32, 2)
+        c = np.array([lane[2] for lane in lanes], dtype=np.float32)  # (32, 4)
+        A = np.empty((16, 16), np.float32)
+        B = np.empty((16, 8), np.float32)
+        C = np.empty((16, 8), np.float32)
+        for i in range(4):
+            rows, cols = _G + 8 * (i % 2), 2 * _T + 8 * (i // 2)
+            A[rows, cols], A[rows, cols + 1] = widen_bits(a[:, i] & 0xFFFF), widen_bits(a[:, i] >> 16)
+            C[_G + 8 * (i // 2), 2 * _T + i % 2] = c[:, i]
+        for i in range(2):
+            ks = 2 * _T + 8 * i
+            B[ks, _G], B[ks + 1, _G] = widen_bits(b[:, i] & 0xFFFF), widen_bits(b[:, i] >> 16)
+        D = A @ B + C
+        return np.stack([D[_G, 2 * _T], D[_G, 2 * _T + 1], D[_G + 8, 2 * _T], D[_G + 8, 2 * _T + 1]], axis=1)
+
+    return combine
+
+
+def _widen_f16_bits(bits):
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _widen_bf16_bits(bits):
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+_MMA_F16, _MMA_BF16 = _mma_combine(_widen_f16_bits), _mma_combine(_widen_bf16_bits)
 
 
 def mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -331,12 +376,14 @@ def mma_m16n8k16_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     A, B fp16 (``uint32`` registers of two values), C, D fp32. Emits
     ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``; layouts above.
     """
-    return _mma_m16n8k16(unpack_f16x2, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+    d = _warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), _MMA_F16)
+    return tuple(d[_lane()])
 
 
 def mma_m16n8k16_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """``mma_m16n8k16_bf16(...)``: as ``mma_m16n8k16_f16`` with bf16 A and B (``...f32.bf16.bf16.f32``)."""
-    return _mma_m16n8k16(unpack_bf16x2, (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+    d = _warp_gather(((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3)), _MMA_BF16)
+    return tuple(d[_lane()])
 
 
 def _mma_lowering(ptx_type):

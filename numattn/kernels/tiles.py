@@ -2,6 +2,7 @@
 
 * ``tile_view`` carves a 2-D tile with compile-time shape out of the dynamic
   shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
+* ``query_block`` maps a thread block to its (batch, head, query rows).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
 """
@@ -12,6 +13,7 @@ from numba import types
 from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array, populate_array
 
+from .._cuda import cuda
 from .ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
 
 # Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
@@ -65,3 +67,25 @@ def _tile_view_gpu(buf, offset, rows, cols):
         return _tile_view(buf, offset, ROWS, COLS)
 
     return impl
+
+
+@cuda.jit(device=True)
+def query_block(q, k, block_m, causal):
+    """``(b, h, h_kv, m0, n_end)`` of the calling thread block of an attention forward.
+
+    The grid has ``cdiv(seqlen_q, block_m) · batch · heads_q`` blocks; this one
+    owns query rows ``m0 .. m0 + block_m`` of batch ``b``, query head ``h``,
+    which reads key/value head ``h_kv``, and must visit keys ``0 .. n_end``
+    (under causal masking, row ``i`` sees key ``j <= i + seqlen_kv - seqlen_q``).
+    Blocks of the last query rows, the longest under causal masking, come first.
+    """
+    batch, heads_q, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
+    heads_kv, seqlen_kv = k.shape[1], k.shape[2]
+    heads = batch * heads_q
+    m_block = (seqlen_q + block_m - 1) // block_m - 1 - cuda.blockIdx.x // heads
+    b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
+    m0 = m_block * block_m
+    n_end = seqlen_kv
+    if causal:
+        n_end = min(seqlen_kv, m0 + block_m + seqlen_kv - seqlen_q)
+    return b, h, h // (heads_q // heads_kv), m0, n_end

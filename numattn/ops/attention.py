@@ -21,6 +21,7 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
+from ..kernels.attention_mma import choose_mma_config, mma_attention_kernel, mma_supported
 from ..kernels.attention_simt import choose_simt_config, simt_attention_kernel
 from ..kernels.launch import compiled, device_limits, flatten_array
 
@@ -67,6 +68,15 @@ class Problem:
     def bhsd(self, values):
         """Reorder shape or strides given in the caller's layout to (batch, heads, seqlen, head_dim)."""
         return tuple(values[a] for a in _LAYOUT_AXES[self.layout])
+
+    @property
+    def vector_loads(self):
+        """Whether q, k and v rows can be copied 16 bytes at a time: contiguous head dim, aligned rows."""
+        per_copy = 16 // storage_dtype(self.dtype).itemsize
+        return all(
+            op.strides[-1] == 1 and all(s % per_copy == 0 for s in op.strides[:-1]) and op.ptr % 16 == 0
+            for op in (self.q, self.k, self.v)
+        )
 
 
 def _contiguous(shape):
@@ -142,24 +152,34 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
     return problem
 
 
-def _simt_kernel(p, device):
-    """Tile configuration, numba kernel and grid size of the SIMT kernel for problem ``p``."""
-    config = choose_simt_config(p.head_dim, p.head_dim_v, device_limits(device)["max_shared"], SIMULATOR)
-    dispatcher = simt_attention_kernel(config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+def _attention_kernel(p, device):
+    """``(dispatcher, grid, threads, shared_bytes)`` of the kernel that computes problem ``p``.
+
+    The tensor-core kernel where it applies (fp16/bf16, head dims multiples of
+    16, rows fit for 16-byte copies, sm_80+), the SIMT kernel otherwise.
+    """
+    limits = device_limits(device)
+    args = (p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
+    if mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0):
+        config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        dispatcher = mma_attention_kernel(config, *args)
+    else:
+        config = choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        dispatcher = simt_attention_kernel(config, *args)
     grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
     if grid > _MAX_GRID:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
-    return config, dispatcher, grid
+    return dispatcher, grid, config.num_threads, config.shared_bytes(p.head_dim, p.head_dim_v)
 
 
 class _DevicePlan:
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
     def __init__(self, p):
-        config, dispatcher, grid = _simt_kernel(p, p.device)
+        dispatcher, grid, threads, shared_bytes = _attention_kernel(p, p.device)
         storage = numba.from_dtype(storage_dtype(p.dtype))
         argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
-        kernel = compiled(dispatcher, argtypes, p.device, config.shared_bytes(p.head_dim, p.head_dim_v))
+        kernel = compiled(dispatcher, argtypes, p.device, shared_bytes)
         self.problem = p
 
         itemsize = storage_dtype(p.dtype).itemsize
@@ -176,7 +196,7 @@ class _DevicePlan:
             slots.append(len(fields) + 4)  # the data pointer's place among the array's fields
             fields.extend(flatten_array(0, shape, strides, size))
         fields.append(np.float32(p.scale * _LOG2E))
-        self.launch = kernel.prepare(grid, config.num_threads, fields, slots)  # (stream, q, k, v, o, lse)
+        self.launch = kernel.prepare(grid, threads, fields, slots)  # (stream, q, k, v, o, lse)
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -262,9 +282,8 @@ class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
     def __init__(self, p):
-        config, dispatcher, self.grid = _simt_kernel(p, 0)
-        self.kernel = compiled(dispatcher, None, 0, config.shared_bytes(p.head_dim, p.head_dim_v))
-        self.block = config.num_threads
+        dispatcher, self.grid, self.block, shared_bytes = _attention_kernel(p, 0)
+        self.kernel = compiled(dispatcher, None, 0, shared_bytes)
         self.problem = p
 
     def __call__(self, q, k, v, out):
@@ -298,7 +317,7 @@ _UNCACHED = object()
 
 
 def _key(q, k, v, out, causal, scale, layout, return_lse):
-    """Plan-cache key of a call whose arrays have ``.stride()`` (torch); AttributeError otherwise.
+    """Plan-cache key of a call whose arrays have ``.stride()`` and ``.data_ptr()`` (torch); AttributeError otherwise.
 
     Flags and scale enter with their types, so that a cached plan never accepts
     what validation would reject (``1 == True``, but ``causal=1`` is an error).
@@ -307,6 +326,7 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
         q.__class__, q.dtype, q.shape, q.stride(), q.device,
         k.__class__, k.dtype, k.shape, k.stride(), k.device,
         v.__class__, v.dtype, v.shape, v.stride(), v.device,
+        (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
     )
