@@ -136,37 +136,81 @@ def bench_host_overhead():
     }
 
 
-DEFAULT_SHAPES = [(4, 16, 1024, 64), (2, 16, 2048, 64), (2, 16, 2048, 128), (1, 16, 2048, 256)]
+def bench_mma_configs(shape, dtype, causal, configs):
+    """Rows of {config, ms, tflops, regs, local} for the tensor-core kernel under each tile configuration."""
+    torch = _torch()
+    from numattn.ops.attention import _TorchPlan, _validate
+
+    batch, heads, seqlen, head_dim = shape
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3))
+    problem = _validate(q, k, v, None, causal, None, "bhsd", False)
+    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal)
+    rows = []
+    for config in configs:
+        try:
+            plan = _TorchPlan(problem, config)
+        except Exception as exc:  # a configuration the device cannot hold
+            rows.append({"config": config, "error": str(exc).splitlines()[0][:100]})
+            continue
+        ms = cuda_time_ms(lambda: plan(q, k, v, None))
+        attrs = plan.launch.kernel.attributes
+        rows.append({"config": config, "ms": ms, "tflops": flops / ms / 1e9, "regs": attrs.regs, "local": attrs.local})
+    return rows
+
+
+def matmul_peak_tflops(n=8192, dtype="bfloat16"):
+    """Measured dense tensor-core rate: an n×n×n torch matmul on random data."""
+    torch = _torch()
+    a, b = (torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+    return 2 * n**3 / cuda_time_ms(lambda: a @ b, flush_l2=False) / 1e9
+
+
+# (batch, heads, seqlen, head_dim): the head-dim × length table (16k tokens per batch),
+# then the targets W5 (B8 H16 L2048 D64 fp16) and W4 (B4 H32 L4096 D128 bf16)
+TABLE_SHAPES = [(b, 16, seqlen, d) for d in (64, 128, 256) for b, seqlen in ((16, 1024), (4, 4096), (1, 16384))]
 QUICK_SHAPES = [(4, 16, 1024, 64), (2, 16, 1024, 128)]
 
 
-def print_attention_table(rows):
+def print_attention_table(rows, peak=None):
     impls = ["numattn", "flash", "cudnn", "efficient"]
     header = f"{'B,H,L,D':>18} {'dtype':>8} {'causal':>6} " + " ".join(f"{i + ' ms':>13} {'TF/s':>6}" for i in impls)
-    print(header)
+    print(header + (f" {'numattn/peak':>12}" if peak else ""))
     for row in rows:
         cells = []
         for impl in impls:
             ms = row.get(f"{impl}_ms")
             cells.append(f"{ms:13.3f} {row[f'{impl}_tflops']:6.1f}" if ms is not None else f"{'n/a':>13} {'':>6}")
         shape = ",".join(map(str, row["shape"]))
-        print(f"{shape:>18} {row['dtype']:>8} {str(row['causal']):>6} " + " ".join(cells))
+        fraction = f" {row['numattn_tflops'] / peak:12.1%}" if peak and row.get("numattn_ms") else ""
+        print(f"{shape:>18} {row['dtype']:>8} {str(row['causal']):>6} " + " ".join(cells) + fraction)
 
 
 def main(args):
     torch = _torch()
     import numattn
-    from numattn.kernels.launch import device_limits
+    from numattn.kernels.launch import device_limits, resource_report
 
     device = device_limits(torch.cuda.current_device())
     print(f"numattn {numattn.__version__}, torch {torch.__version__}, {device['name']} (sm_{device['cc'][0]}{device['cc'][1]})")
-    rows = bench_attention(QUICK_SHAPES if args.quick else DEFAULT_SHAPES)
-    print_attention_table(rows)
+    peak = matmul_peak_tflops()
+    print(f"bf16 matmul 8192³ (tensor-core reference): {peak:.1f} TFLOP/s")
+    if args.quick:
+        rows = bench_attention(QUICK_SHAPES)
+    else:
+        rows = bench_attention(TABLE_SHAPES, dtypes=("bfloat16",))
+        rows += bench_attention([(8, 16, 2048, 64)], dtypes=("float16",), causals=(False,))
+        rows += bench_attention([(4, 32, 4096, 128)], dtypes=("bfloat16",))
+        rows += bench_attention([(2, 16, 2048, 64)], dtypes=("float32",))
+    print_attention_table(rows, peak)
     overhead = bench_host_overhead()
     print("host overhead per call (µs, median of back-to-back calls on tiny inputs):")
     for name, us in overhead.items():
         print(f"  {name:32} {us:7.2f}")
+    print(resource_report())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device, "attention": rows, "host_overhead_us": overhead}, f, indent=1)
+            json.dump(
+                {"device": device, "matmul_tflops": peak, "attention": rows, "host_overhead_us": overhead}, f, indent=1,
+                default=str,
+            )
     return 0

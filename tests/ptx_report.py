@@ -17,7 +17,7 @@ numba.cuda.dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compu
 
 from numba import cuda, types  # noqa: E402
 
-from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel  # noqa: E402
+from numattn.kernels.attention_mma import choose_mma_config, mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
 
 SIGNATURE = {
@@ -45,8 +45,9 @@ def main():
                 ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[storage], cc=(9, 0))
                 results[f"simt-{dtype}-causal{int(causal)}-d{head_dim}"] = report(ptx)
     for dtype in ("float16", "bfloat16"):
-        for head_dim, block_n in ((64, 64), (128, 64), (256, 32)):
-            kernel = mma_attention_kernel(MmaConfig(block_n, 4), dtype, head_dim, head_dim, True, True)
+        for head_dim in (64, 128, 256):  # the tile configurations chosen on an sm_90 GPU
+            config = choose_mma_config(head_dim, head_dim, 227 * 1024)
+            kernel = mma_attention_kernel(config, dtype, head_dim, head_dim, True, True)
             ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
             results[f"mma-{dtype}-causal1-d{head_dim}"] = report(ptx)
     json.dump(results, sys.stdout)

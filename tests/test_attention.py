@@ -148,3 +148,41 @@ def test_any_small_problem(rng, group, heads_kv, seqlen_q, seqlen_kv, head_dim, 
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
     seen = np.isfinite(ref_lse)
     assert np.abs(lse[seen] - ref_lse[seen]).max(initial=0.0) <= 1e-5 * (1 + np.abs(ref_lse[seen]).max(initial=0.0))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(block_n=16, num_warps=2, warp_m=1, q_in_registers=True),
+        dict(block_n=32, num_warps=1, warp_m=2, q_in_registers=False),
+    ],
+    ids=["2warps", "warp_m2-q_in_smem"],
+)
+def test_tensor_core_configurations(rng, monkeypatch, config):
+    """The tensor-core kernel's other tile configurations (the GPU's defaults are larger)."""
+    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.ops import attention as module
+
+    monkeypatch.setattr(module, "choose_mma_config", lambda *args: MmaConfig(**config))
+    monkeypatch.setattr(module, "_PLANS", {})
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 37, 45, 32), "float16")
+    o, lse = numattn.attention(q, k, v, causal=True, return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["float16"]
+    assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+def test_kernel_choice():
+    """fp16/bf16 with head dims in multiples of 16 and rows fit for 16-byte copies take the tensor-core kernel."""
+    from numattn.ops.attention import _attention_kernel, _validate
+
+    def family(q, k, v):
+        problem = _validate(q, k, v, None, False, None, "bhsd", False)
+        return _attention_kernel(problem, 0)[0].py_func.__module__.rsplit(".", 1)[-1]
+
+    half = np.ones((1, 2, 8, 64), np.float16)
+    assert family(half, half, half) == "attention_mma"
+    assert family(*(np.ones((1, 2, 8, 40), np.float16),) * 3) == "attention_simt"  # head dim 40
+    assert family(*(np.ones((1, 2, 8, 64), np.float32),) * 3) == "attention_simt"  # fp32
+    strided = np.ones((1, 2, 8, 128), np.float16)[..., ::2]
+    assert family(strided, half, half) == "attention_simt"  # head dim not contiguous

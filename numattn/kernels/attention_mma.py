@@ -3,8 +3,8 @@
 A block of ``num_warps`` warps owns ``16 · num_warps`` query rows of one
 (batch, query head); warp ``w`` owns rows ``16w .. 16w + 16``. The Q tile is
 copied to shared memory once and its A fragments stay in registers. K/V tiles
-of ``BLOCK_N`` keys are double-buffered in shared memory: ``cp.async`` fills
-the next stage while the tensor cores work on the current one. Per key tile a
+of ``BLOCK_N`` keys stream through a ring of shared-memory stages: ``cp.async``
+fills the next stages while the tensor cores work on the current one. Per key tile a
 warp computes ``S = Q Kᵀ`` (B fragments by ``ldmatrix``), scales it into the
 log2 domain, masks it where the tile crosses the sequence end or the causal
 diagonal, updates its online softmax in registers (row max and sum shared by the
@@ -56,27 +56,42 @@ PAD = 8  # elements added to every shared-memory row
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """Tile configuration of the tensor-core kernel: ``block_m = 16 · num_warps``."""
+    """Tile configuration of the tensor-core kernel.
+
+    ``num_warps`` warps each own ``warp_m`` m16 tiles of query rows, so
+    ``block_m = 16 · warp_m · num_warps``; keys stream in tiles of ``block_n``
+    through ``stages`` shared-memory buffers (``stages - 1`` tiles in flight).
+    With ``q_in_registers`` a warp keeps its Q fragments in registers for the
+    whole kernel, otherwise it re-reads them from shared memory per key tile.
+    """
 
     block_n: int = 64
     num_warps: int = 4
+    warp_m: int = 1
+    q_in_registers: bool = True
+    stages: int = 2
 
     def __post_init__(self):
-        if self.block_n % 16 or not 1 <= self.num_warps <= 16:
+        if (
+            self.block_n % 16
+            or not 1 <= self.num_warps <= 16
+            or self.warp_m not in (1, 2, 4)
+            or not 2 <= self.stages <= 4
+        ):
             raise ValueError(f"inconsistent tensor-core tile configuration {self}")
 
     @property
     def block_m(self):
-        return 16 * self.num_warps
+        return 16 * self.warp_m * self.num_warps
 
     @property
     def num_threads(self):
         return 32 * self.num_warps
 
     def shared_bytes(self, head_dim, head_dim_v):
-        """Q tile plus two stages of K and V tiles, 16-bit elements, padded rows."""
+        """Q tile plus ``stages`` K and V tiles, 16-bit elements, padded rows."""
         q = self.block_m * (head_dim + PAD)
-        kv = 2 * self.block_n * (head_dim + PAD + head_dim_v + PAD)
+        kv = self.stages * self.block_n * (head_dim + PAD + head_dim_v + PAD)
         return 2 * (q + kv)
 
 
@@ -85,14 +100,21 @@ def mma_supported(dtype, head_dim, head_dim_v):
     return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
 
 
+# Per head-dim class, candidates in order of preference; the first that fits the
+# device's shared memory is used. Measured on an H200 (docs/benchmarks.md).
+_CANDIDATES = {
+    64: (MmaConfig(64, 4, 2, True), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
+    128: (MmaConfig(32, 4, 2, False), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
+    256: (MmaConfig(64, 8, 1, False), MmaConfig(32, 8, 1, True), MmaConfig(32, 4, 1, False), MmaConfig(16, 4, 1, False)),
+}
+
+
 def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
-    """Heuristic tile choice: the largest key tile that fits, one or two blocks per SM."""
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
     if simulator:
         return MmaConfig(block_n=16, num_warps=1)
     widest = max(head_dim, head_dim_v)
-    block_ns = (64, 32, 16) if widest <= 128 else (32, 16)
-    for block_n in block_ns:
-        config = MmaConfig(block_n=block_n, num_warps=4)
+    for config in _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]:
         if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config
     return MmaConfig(block_n=16, num_warps=1)
@@ -107,15 +129,20 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
     """
     BLOCK_M, BLOCK_N, NUM_THREADS = config.block_m, config.block_n, config.num_threads
+    WARP_M, Q_IN_REGISTERS = config.warp_m, config.q_in_registers
     D, DV = head_dim, head_dim_v
     KSTEPS = D // 16  # k-steps of S = Q Kᵀ
     NTILES = BLOCK_N // 8  # n8 accumulator tiles of S (and P)
     PSTEPS = BLOCK_N // 16  # k-steps of O += P V
     DTILES = DV // 8  # n8 accumulator tiles of O
+    Q_FRAGS = KSTEPS if Q_IN_REGISTERS else 1
+    LANE_ROWS = 2 * WARP_M  # query rows each lane carries
     Q_ROW, K_ROW, V_ROW = D + PAD, D + PAD, DV + PAD
     K_OFF = BLOCK_M * Q_ROW
     K_STAGE = BLOCK_N * K_ROW
-    V_OFF = K_OFF + 2 * K_STAGE
+    STAGES = config.stages
+    IN_FLIGHT = STAGES - 1  # key tiles being copied while one is computed on
+    V_OFF = K_OFF + STAGES * K_STAGE
     V_STAGE = BLOCK_N * V_ROW
     CAUSAL, WRITE_LSE = causal, write_lse
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
@@ -124,13 +151,35 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
 
     @cuda.jit(device=True)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
-        """Issue 16-byte copies of ``src[b, h, row0 + r, :ncols]`` into ``dst[r, :ncols]``; rows past ``nrows`` read 0."""
-        chunks = ncols // 8
-        for c in range(cuda.threadIdx.x, dst.shape[0] * chunks, NUM_THREADS):
-            r = c // chunks
-            col = (c - r * chunks) * 8
-            valid = row0 + r < nrows
-            cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
+        """Issue 16-byte copies of ``src[b, h, row0 + r, :ncols]`` into ``dst[r, :ncols]``; rows past ``nrows`` read 0.
+
+        Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
+        when ``chunks`` divides the thread count (the trip count and the per-copy
+        arithmetic are then compile-time constants), chunk by chunk otherwise.
+        """
+        rows, chunks = dst.shape[0], ncols // 8
+        if NUM_THREADS % chunks == 0:
+            step = NUM_THREADS // chunks
+            first, col = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
+            for n in range((rows + step - 1) // step):
+                r = first + n * step
+                if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
+                    valid = row0 + r < nrows
+                    cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
+        else:
+            for c in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
+                r = c // chunks
+                col = (c - r * chunks) * 8
+                valid = row0 + r < nrows
+                cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
+
+    @cuda.jit(device=True)
+    def load_q_fragments(q_frag, q_s, ks, slot, warp_row0, mat, mrow):
+        """A fragments of k-step ``ks`` for each of the warp's m16 tiles, into ``q_frag[:, slot]``."""
+        for mt in range(WARP_M):
+            q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3] = ldmatrix_x4(
+                q_s, warp_row0 + 16 * mt + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
+            )
 
     def kernel(q, k, v, o, lse, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -144,127 +193,151 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
         g, t = lane // 4, lane % 4
         # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
         mat, mrow = lane // 8, lane % 8
+        warp_row0 = 16 * WARP_M * warp  # the warp's first row within the block
 
         load_tile_async(q_s, q, b, h, m0, seqlen_q, D)
         cp_async_commit()
-        if n_blocks > 0:
-            load_tile_async(tile_view(smem, K_OFF, BLOCK_N, K_ROW), k, b, h_kv, 0, seqlen_kv, D)
-            load_tile_async(tile_view(smem, V_OFF, BLOCK_N, V_ROW), v, b, h_kv, 0, seqlen_kv, DV)
-        cp_async_commit()
-        cp_async_wait_group(1)  # the Q tile has landed
+        for j in range(IN_FLIGHT):  # the first tiles, one commit group each
+            if j < n_blocks:
+                load_tile_async(tile_view(smem, K_OFF + j * K_STAGE, BLOCK_N, K_ROW),
+                                k, b, h_kv, j * BLOCK_N, seqlen_kv, D)
+                load_tile_async(tile_view(smem, V_OFF + j * V_STAGE, BLOCK_N, V_ROW),
+                                v, b, h_kv, j * BLOCK_N, seqlen_kv, DV)
+            cp_async_commit()
+        cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
 
-        # A fragments of this warp's 16 query rows, for every k-step
-        q_frag = cuda.local.array((KSTEPS, 4), uint32)
-        for ks in range(KSTEPS):
-            q_frag[ks, 0], q_frag[ks, 1], q_frag[ks, 2], q_frag[ks, 3] = ldmatrix_x4(
-                q_s, 16 * warp + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
-            )
+        q_frag = cuda.local.array((WARP_M, Q_FRAGS, 4), uint32)
+        if Q_IN_REGISTERS:  # every k-step's A fragments, loaded once
+            for ks in range(KSTEPS):
+                load_q_fragments(q_frag, q_s, ks, ks, warp_row0, mat, mrow)
 
-        m_i = cuda.local.array(2, float32)  # rows g and g + 8, log2 domain
-        l_i = cuda.local.array(2, float32)  # this lane's partial row sums
-        acc = cuda.local.array((DTILES, 4), float32)
-        s = cuda.local.array((NTILES, 4), float32)
-        for r in range(2):
+        # per m16 tile, rows g (index 2·mt) and g + 8 (2·mt + 1); m_i in the log2 domain,
+        # l_i this lane's partial row sums
+        m_i = cuda.local.array(LANE_ROWS, float32)
+        l_i = cuda.local.array(LANE_ROWS, float32)
+        acc = cuda.local.array((WARP_M, DTILES, 4), float32)
+        s = cuda.local.array((WARP_M, NTILES, 4), float32)
+        p_frag = cuda.local.array((WARP_M, 4), uint32)  # A fragment of P for one k-step
+        for r in range(LANE_ROWS):
             m_i[r] = _NEG_INF
             l_i[r] = _ZERO
-        for dt in range(DTILES):
-            for e in range(4):
-                acc[dt, e] = _ZERO
+        for mt in range(WARP_M):
+            for dt in range(DTILES):
+                for e in range(4):
+                    acc[mt, dt, e] = _ZERO
 
         for j in range(n_blocks):
-            stage = j % 2
+            stage = j % STAGES
             k_s = tile_view(smem, K_OFF + stage * K_STAGE, BLOCK_N, K_ROW)
             v_s = tile_view(smem, V_OFF + stage * V_STAGE, BLOCK_N, V_ROW)
-            if j + 1 < n_blocks:  # prefetch the next tile into the other stage
-                n_next = (j + 1) * BLOCK_N
-                load_tile_async(tile_view(smem, K_OFF + (1 - stage) * K_STAGE, BLOCK_N, K_ROW),
-                                k, b, h_kv, n_next, seqlen_kv, D)
-                load_tile_async(tile_view(smem, V_OFF + (1 - stage) * V_STAGE, BLOCK_N, V_ROW),
-                                v, b, h_kv, n_next, seqlen_kv, DV)
+            ahead = j + IN_FLIGHT  # prefetch into the stage that tile j - 1 used
+            if ahead < n_blocks:
+                free = ahead % STAGES
+                load_tile_async(tile_view(smem, K_OFF + free * K_STAGE, BLOCK_N, K_ROW),
+                                k, b, h_kv, ahead * BLOCK_N, seqlen_kv, D)
+                load_tile_async(tile_view(smem, V_OFF + free * V_STAGE, BLOCK_N, V_ROW),
+                                v, b, h_kv, ahead * BLOCK_N, seqlen_kv, DV)
             cp_async_commit()
-            cp_async_wait_group(1)  # tile j has landed (tile j + 1 may be in flight)
+            cp_async_wait_group(IN_FLIGHT)  # tile j has landed (later tiles may be in flight)
             cuda.syncthreads()
 
-            # S = Q Kᵀ: one ldmatrix gives the B fragments of two n8 tiles
-            for nt in range(NTILES):
-                for e in range(4):
-                    s[nt, e] = _ZERO
-            for np2 in range(NTILES // 2):
-                for ks in range(KSTEPS):
+            # S = Q Kᵀ: one ldmatrix gives the B fragments of two n8 tiles, used by every m16 tile
+            for mt in range(WARP_M):
+                for nt in range(NTILES):
+                    for e in range(4):
+                        s[mt, nt, e] = _ZERO
+            for ks in range(KSTEPS):
+                slot = ks if Q_IN_REGISTERS else 0
+                if not Q_IN_REGISTERS:
+                    load_q_fragments(q_frag, q_s, ks, 0, warp_row0, mat, mrow)
+                for np2 in range(NTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(k_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
-                    a0, a1, a2, a3 = q_frag[ks, 0], q_frag[ks, 1], q_frag[ks, 2], q_frag[ks, 3]
-                    n = 2 * np2
-                    s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma(a0, a1, a2, a3, b0, b1, s[n, 0], s[n, 1], s[n, 2], s[n, 3])
-                    n += 1
-                    s[n, 0], s[n, 1], s[n, 2], s[n, 3] = mma(a0, a1, a2, a3, b2, b3, s[n, 0], s[n, 1], s[n, 2], s[n, 3])
+                    for mt in range(WARP_M):
+                        a0, a1, a2, a3 = q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3]
+                        n = 2 * np2
+                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
+                            a0, a1, a2, a3, b0, b1, s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3]
+                        )
+                        n += 1
+                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
+                            a0, a1, a2, a3, b2, b3, s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3]
+                        )
 
             # into the log2 domain; mask keys past the end and past the diagonal
             n0 = j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
-            for nt in range(NTILES):
-                for e in range(4):
-                    s[nt, e] *= scale_log2
-                    if masked:
-                        row = m0 + 16 * warp + g + 8 * (e // 2)
-                        col = n0 + 8 * nt + 2 * t + e % 2
-                        if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
-                            s[nt, e] = _NEG_INF
+            for mt in range(WARP_M):
+                for nt in range(NTILES):
+                    for e in range(4):
+                        s[mt, nt, e] *= scale_log2
+                        if masked:
+                            row = m0 + warp_row0 + 16 * mt + g + 8 * (e // 2)
+                            col = n0 + 8 * nt + 2 * t + e % 2
+                            if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
+                                s[mt, nt, e] = _NEG_INF
 
-            # online softmax for rows g (entries 0, 1) and g + 8 (entries 2, 3)
-            for r in range(2):
-                m_new = m_i[r]
-                for nt in range(NTILES):
-                    m_new = max(m_new, max(s[nt, 2 * r], s[nt, 2 * r + 1]))
-                m_new = max(m_new, shfl_xor_f32(m_new, 1))
-                m_new = max(m_new, shfl_xor_f32(m_new, 2))
-                # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
-                m_ref = m_new if m_new != _NEG_INF else _ZERO
-                alpha = ex2_approx(m_i[r] - m_ref)
-                m_i[r] = m_new
-                l_i[r] *= alpha
-                for dt in range(DTILES):
-                    acc[dt, 2 * r] *= alpha
-                    acc[dt, 2 * r + 1] *= alpha
-                for nt in range(NTILES):
-                    p0 = ex2_approx(s[nt, 2 * r] - m_ref)
-                    p1 = ex2_approx(s[nt, 2 * r + 1] - m_ref)
-                    l_i[r] += p0 + p1
-                    s[nt, 2 * r] = p0
-                    s[nt, 2 * r + 1] = p1
+            # online softmax; row r = 2·mt + half holds accumulator entries 2·half, 2·half + 1
+            for mt in range(WARP_M):
+                for half in range(2):
+                    r = 2 * mt + half
+                    m_new = m_i[r]
+                    for nt in range(NTILES):
+                        m_new = max(m_new, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
+                    m_new = max(m_new, shfl_xor_f32(m_new, 1))
+                    m_new = max(m_new, shfl_xor_f32(m_new, 2))
+                    # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
+                    m_ref = m_new if m_new != _NEG_INF else _ZERO
+                    alpha = ex2_approx(m_i[r] - m_ref)
+                    m_i[r] = m_new
+                    l_i[r] *= alpha
+                    for dt in range(DTILES):
+                        acc[mt, dt, 2 * half] *= alpha
+                        acc[mt, dt, 2 * half + 1] *= alpha
+                    for nt in range(NTILES):
+                        p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
+                        p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)
+                        l_i[r] += p0 + p1
+                        s[mt, nt, 2 * half] = p0
+                        s[mt, nt, 2 * half + 1] = p1
 
             # O += P V; the accumulator tiles 2kk, 2kk+1 of P are the A fragment of k-step kk
             for kk in range(PSTEPS):
                 n = 2 * kk
-                a0 = pack(s[n, 0], s[n, 1])
-                a1 = pack(s[n, 2], s[n, 3])
-                a2 = pack(s[n + 1, 0], s[n + 1, 1])
-                a3 = pack(s[n + 1, 2], s[n + 1, 3])
+                for mt in range(WARP_M):
+                    p_frag[mt, 0] = pack(s[mt, n, 0], s[mt, n, 1])
+                    p_frag[mt, 1] = pack(s[mt, n, 2], s[mt, n, 3])
+                    p_frag[mt, 2] = pack(s[mt, n + 1, 0], s[mt, n + 1, 1])
+                    p_frag[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
                 for dp in range(DTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, 16 * kk + mrow + 8 * (mat % 2), 16 * dp + 8 * (mat // 2))
-                    d = 2 * dp
-                    acc[d, 0], acc[d, 1], acc[d, 2], acc[d, 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc[d, 0], acc[d, 1], acc[d, 2], acc[d, 3]
-                    )
-                    d += 1
-                    acc[d, 0], acc[d, 1], acc[d, 2], acc[d, 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc[d, 0], acc[d, 1], acc[d, 2], acc[d, 3]
-                    )
+                    for mt in range(WARP_M):
+                        a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
+                        d = 2 * dp
+                        acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3] = mma(
+                            a0, a1, a2, a3, b0, b1, acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3]
+                        )
+                        d += 1
+                        acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3] = mma(
+                            a0, a1, a2, a3, b2, b3, acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3]
+                        )
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
         # epilogue: full row sums across the four lanes of a group, O = acc / l
-        for r in range(2):
-            l_sum = l_i[r]
-            l_sum += shfl_xor_f32(l_sum, 1)
-            l_sum += shfl_xor_f32(l_sum, 2)
-            row = m0 + 16 * warp + g + 8 * r
-            if row < seqlen_q:
-                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
-                for dt in range(DTILES):
-                    col = 8 * dt + 2 * t
-                    o[b, h, row, col] = narrow(acc[dt, 2 * r] * inv_l)
-                    o[b, h, row, col + 1] = narrow(acc[dt, 2 * r + 1] * inv_l)
-                if WRITE_LSE and t == 0:
-                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+        for mt in range(WARP_M):
+            for half in range(2):
+                r = 2 * mt + half
+                l_sum = l_i[r]
+                l_sum += shfl_xor_f32(l_sum, 1)
+                l_sum += shfl_xor_f32(l_sum, 2)
+                row = m0 + warp_row0 + 16 * mt + g + 8 * half
+                if row < seqlen_q:
+                    inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                    for dt in range(DTILES):
+                        col = 8 * dt + 2 * t
+                        o[b, h, row, col] = narrow(acc[mt, dt, 2 * half] * inv_l)
+                        o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1] * inv_l)
+                    if WRITE_LSE and t == 0:
+                        lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
 
     return cuda.jit(kernel)

@@ -68,16 +68,21 @@ def flatten_array(ptr, shape, strides, itemsize):
     return (0, 0, nitems, itemsize, ptr, *shape, *(s * itemsize for s in strides))
 
 
-class CompiledKernel:
-    """A numba kernel compiled for one signature and loaded on one device."""
+LOADED = []
+"""Every ``CompiledKernel`` loaded in this process, for resource reports."""
 
-    def __init__(self, dispatcher, argtypes, device_id, shared_bytes):
+
+class CompiledKernel:
+    """A numba kernel compiled for one signature and loaded on one device; ``label`` names its variant."""
+
+    def __init__(self, dispatcher, argtypes, device_id, shared_bytes, label):
         with cuda.gpus[device_id]:
             kernel = dispatcher.compile(tuple(argtypes))
             kernel.bind()
             cufunc = kernel._codelibrary.get_cufunc()
         self.device_id = device_id
-        self.attributes = cufunc.attrs  # regs, shared, local, const, maxthreads
+        self.label = label
+        self.attributes = cufunc.attrs  # regs, shared (static), local (spills), const, maxthreads
         self.function = _driver.CUfunction(int(cufunc.handle))
         self.shared_bytes = shared_bytes
         if shared_bytes > _DEFAULT_SHARED_LIMIT:
@@ -92,6 +97,7 @@ class CompiledKernel:
                     _driver.CUdevice(device_id),
                 )
             )
+        LOADED.append(self)
 
     def prepare(self, grid, block, fields, pointer_slots):
         """A ``PreparedLaunch`` of this kernel with the given flattened arguments."""
@@ -160,8 +166,17 @@ class SimulatedKernel:
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(dispatcher, argtypes, device_id, shared_bytes):
+def compiled(dispatcher, argtypes, device_id, shared_bytes, label):
     """Cached ``CompiledKernel`` (or ``SimulatedKernel``) for one signature and device."""
     if SIMULATOR:
         return SimulatedKernel(dispatcher, shared_bytes)
-    return CompiledKernel(dispatcher, argtypes, device_id, shared_bytes)
+    return CompiledKernel(dispatcher, argtypes, device_id, shared_bytes, label)
+
+
+def resource_report():
+    """One line per loaded kernel: registers per thread, shared memory per block, local (spill) bytes."""
+    lines = [f"{'kernel':70} {'regs':>5} {'smem B':>8} {'local B':>8}"]
+    for kernel in LOADED:
+        a = kernel.attributes
+        lines.append(f"{kernel.label:70} {a.regs:5d} {a.shared + kernel.shared_bytes:8d} {a.local:8d}")
+    return "\n".join(lines)

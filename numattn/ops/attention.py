@@ -21,7 +21,7 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
-from ..kernels.attention_mma import choose_mma_config, mma_attention_kernel, mma_supported
+from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_supported
 from ..kernels.attention_simt import choose_simt_config, simt_attention_kernel
 from ..kernels.launch import compiled, device_limits, flatten_array
 
@@ -152,34 +152,39 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
     return problem
 
 
-def _attention_kernel(p, device):
-    """``(dispatcher, grid, threads, shared_bytes)`` of the kernel that computes problem ``p``.
+def _attention_kernel(p, device, config=None):
+    """``(dispatcher, grid, threads, shared_bytes, label)`` of the kernel that computes problem ``p``.
 
     The tensor-core kernel where it applies (fp16/bf16, head dims multiples of
-    16, rows fit for 16-byte copies, sm_80+), the SIMT kernel otherwise.
+    16, rows fit for 16-byte copies, sm_80+), the SIMT kernel otherwise; tile
+    configuration ``config`` (an ``MmaConfig`` or ``SimtConfig``) or a heuristic's.
     """
     limits = device_limits(device)
     args = (p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
-    if mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0):
-        config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+    tensor_cores = mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0)
+    if config is not None and isinstance(config, MmaConfig) != tensor_cores:
+        raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
+    if tensor_cores:
+        config = config or choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
         dispatcher = mma_attention_kernel(config, *args)
     else:
-        config = choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        config = config or choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
         dispatcher = simt_attention_kernel(config, *args)
     grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
     if grid > _MAX_GRID:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
-    return dispatcher, grid, config.num_threads, config.shared_bytes(p.head_dim, p.head_dim_v)
+    label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse}"
+    return dispatcher, grid, config.num_threads, config.shared_bytes(p.head_dim, p.head_dim_v), label
 
 
 class _DevicePlan:
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
-    def __init__(self, p):
-        dispatcher, grid, threads, shared_bytes = _attention_kernel(p, p.device)
+    def __init__(self, p, config=None):
+        dispatcher, grid, threads, shared_bytes, label = _attention_kernel(p, p.device, config)
         storage = numba.from_dtype(storage_dtype(p.dtype))
         argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
-        kernel = compiled(dispatcher, argtypes, p.device, shared_bytes)
+        kernel = compiled(dispatcher, argtypes, p.device, shared_bytes, label)
         self.problem = p
 
         itemsize = storage_dtype(p.dtype).itemsize
@@ -217,8 +222,8 @@ class _DevicePlan:
 class _TorchPlan(_DevicePlan):
     """The same launch for torch CUDA tensors, on torch's current stream, with no host synchronisation."""
 
-    def __init__(self, p):
-        super().__init__(p)
+    def __init__(self, p, config=None):
+        super().__init__(p, config)
         import torch
 
         self._torch = torch
@@ -282,8 +287,8 @@ class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
     def __init__(self, p):
-        dispatcher, self.grid, self.block, shared_bytes = _attention_kernel(p, 0)
-        self.kernel = compiled(dispatcher, None, 0, shared_bytes)
+        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0)
+        self.kernel = compiled(dispatcher, None, 0, shared_bytes, label)
         self.problem = p
 
     def __call__(self, q, k, v, out):
