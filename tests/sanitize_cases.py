@@ -15,6 +15,9 @@ CASES = [  # dtype, causal, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_
     ("bfloat16", False, 1, 2, 1, 33, 130, 128, 128),
     ("float32", True, 2, 2, 2, 50, 19, 40, 72),
     ("float16", False, 1, 2, 2, 20, 45, 256, 256),
+    # medium: many blocks, many key tiles, pipelined copies
+    ("bfloat16", True, 1, 8, 2, 1024, 1024, 128, 128),
+    ("float16", False, 2, 4, 4, 500, 700, 64, 64),
 ]
 
 if __name__ == "__main__":
