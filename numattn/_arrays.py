@@ -58,7 +58,8 @@ def _element_strides(byte_strides, itemsize, name):
     return tuple(strides)
 
 
-def _contiguous_strides(shape):
+def contiguous_strides(shape):
+    """Element strides of a C-contiguous array of ``shape``."""
     strides, step = [], 1
     for extent in reversed(shape):
         strides.append(step)
@@ -104,7 +105,7 @@ def describe(x, name):
         itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 1
         shape = tuple(cai["shape"])
         if cai.get("strides") is None:
-            strides = _contiguous_strides(shape)
+            strides = contiguous_strides(shape)
         else:
             strides = _element_strides(cai["strides"], itemsize, name)
         kind = "numba" if isinstance(x, _NumbaDeviceArray) else "cai"

@@ -173,6 +173,13 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                 valid = row0 + r < nrows
                 cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
 
+    @cuda.jit(device=True, inline="always")
+    def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
+        """``c[mt, n] += A·B``: accumulator tile ``n`` of the warp's m16 tile ``mt``."""
+        c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3] = mma(
+            a0, a1, a2, a3, b0, b1, c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3]
+        )
+
     @cuda.jit(device=True)
     def load_q_fragments(q_frag, q_s, ks, slot, warp_row0, mat, mrow):
         """A fragments of k-step ``ks`` for each of the warp's m16 tiles, into ``q_frag[:, slot]``."""
@@ -255,14 +262,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                     b0, b1, b2, b3 = ldmatrix_x4(k_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3]
-                        n = 2 * np2
-                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
-                            a0, a1, a2, a3, b0, b1, s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3]
-                        )
-                        n += 1
-                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
-                            a0, a1, a2, a3, b2, b3, s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3]
-                        )
+                        mma_into(s, mt, 2 * np2, a0, a1, a2, a3, b0, b1)
+                        mma_into(s, mt, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
             # into the log2 domain; mask keys past the end and past the diagonal
             n0 = j * BLOCK_N
@@ -313,14 +314,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                     b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, 16 * kk + mrow + 8 * (mat % 2), 16 * dp + 8 * (mat // 2))
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
-                        d = 2 * dp
-                        acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3] = mma(
-                            a0, a1, a2, a3, b0, b1, acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3]
-                        )
-                        d += 1
-                        acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3] = mma(
-                            a0, a1, a2, a3, b2, b3, acc[mt, d, 0], acc[mt, d, 1], acc[mt, d, 2], acc[mt, d, 3]
-                        )
+                        mma_into(acc, mt, 2 * dp, a0, a1, a2, a3, b0, b1)
+                        mma_into(acc, mt, 2 * dp + 1, a0, a1, a2, a3, b2, b3)
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
         # epilogue: full row sums across the four lanes of a group, O = acc / l

@@ -49,6 +49,27 @@ def _asm(builder, text, constraints, result, operands, side_effect=False):
     return builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=side_effect), operands)
 
 
+def _asm_intrinsic(text, constraints, result, signature):
+    """An intrinsic of one or two arguments whose whole body is one inline-PTX instruction."""
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, text, constraints, result, args)
+
+    if len(signature.args) == 1:
+
+        @intrinsic
+        def lowering(typingctx, x):
+            return signature, codegen
+
+    else:
+
+        @intrinsic
+        def lowering(typingctx, x, y):
+            return signature, codegen
+
+    return lowering
+
+
 def _unpack_struct(context, builder, sig, value, count):
     """An inline-asm struct result as the numba tuple ``sig.return_type``."""
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(count)])
@@ -204,15 +225,7 @@ def cvt_rn_bf16_f32(x):
     return np.uint16(((bits + rounding) >> 16) & 0xFFFF)
 
 
-@intrinsic
-def _cvt_rn_bf16_f32(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return _asm(builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", _i16, args)
-
-    return types.uint16(types.float32), codegen
-
-
-_bind(cvt_rn_bf16_f32, _cvt_rn_bf16_f32)
+_bind(cvt_rn_bf16_f32, _asm_intrinsic("cvt.rn.bf16.f32 $0, $1;", "=h,f", _i16, types.uint16(types.float32)))
 
 
 # --------------------------------------------------------------------------
@@ -292,15 +305,7 @@ def ex2_approx(x):
         return np.float32(np.exp2(np.float32(x)))
 
 
-@intrinsic
-def _ex2_approx(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return _asm(builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", _f32, args)
-
-    return types.float32(types.float32), codegen
-
-
-_bind(ex2_approx, _ex2_approx)
+_bind(ex2_approx, _asm_intrinsic("ex2.approx.ftz.f32 $0, $1;", "=f,f", _f32, types.float32(types.float32)))
 
 
 def shfl_xor_f32(x, lane_mask):
@@ -312,15 +317,10 @@ def shfl_xor_f32(x, lane_mask):
     return values[_lane() ^ int(lane_mask)]
 
 
-@intrinsic
-def _shfl_xor_f32(typingctx, x, lane_mask):
-    def codegen(context, builder, sig, args):
-        return _asm(builder, "shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", _f32, args)
-
-    return types.float32(types.float32, types.int32), codegen
-
-
-_bind(shfl_xor_f32, _shfl_xor_f32)
+_bind(
+    shfl_xor_f32,
+    _asm_intrinsic("shfl.sync.bfly.b32 $0, $1, $2, 31, -1;", "=f,f,r", _f32, types.float32(types.float32, types.int32)),
+)
 
 
 # --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from .._arrays import (
     FLOAT_DTYPES,
     Operand,
     cai_stream,
+    contiguous_strides,
     describe,
     device_pointer,
     empty_device_like,
@@ -77,14 +78,6 @@ class Problem:
             op.strides[-1] == 1 and all(s % per_copy == 0 for s in op.strides[:-1]) and op.ptr % 16 == 0
             for op in (self.q, self.k, self.v)
         )
-
-
-def _contiguous(shape):
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return tuple(reversed(strides))
 
 
 def _validate(q, k, v, out, causal, scale, layout, return_lse):
@@ -188,13 +181,13 @@ class _DevicePlan:
         self.problem = p
 
         itemsize = storage_dtype(p.dtype).itemsize
-        out_strides = p.out.strides if p.out is not None else _contiguous(p.out_shape)
+        out_strides = p.out.strides if p.out is not None else contiguous_strides(p.out_shape)
         arrays = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
             (p.bhsd(p.k.shape), p.bhsd(p.k.strides), itemsize),
             (p.bhsd(p.v.shape), p.bhsd(p.v.strides), itemsize),
             (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize),
-            (p.lse_shape, _contiguous(p.lse_shape), 4),
+            (p.lse_shape, contiguous_strides(p.lse_shape), 4),
         ]
         fields, slots = [], []
         for shape, strides, size in arrays:
@@ -260,7 +253,7 @@ class _HostPlan:
     def __init__(self, p):
         device = cuda.get_current_device().id
         contiguous = {
-            name: replace(op, kind="numba", device=device, strides=_contiguous(op.shape))
+            name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
         self.device_problem = replace(p, device=device, out=None, **contiguous)
