@@ -70,6 +70,19 @@ def _asm_intrinsic(text, constraints, result, signature):
     return lowering
 
 
+def _ir_intrinsic(build, signature):
+    """A one-argument intrinsic whose body is ``build(builder, value)`` in LLVM IR."""
+
+    @intrinsic
+    def lowering(typingctx, x):
+        def codegen(context, builder, sig, args):
+            return build(builder, args[0])
+
+        return signature, codegen
+
+    return lowering
+
+
 def _unpack_struct(context, builder, sig, value, count):
     """An inline-asm struct result as the numba tuple ``sig.return_type``."""
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(count)])
@@ -158,15 +171,11 @@ def cvt_f32_f16(bits):
     return np.float32(np.uint16(bits).view(np.float16))
 
 
-@intrinsic
-def _cvt_f32_f16(typingctx, bits):
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _f32)
-
-    return types.float32(types.uint16), codegen
+def _widen_f16_ir(builder, bits):
+    return builder.fpext(builder.bitcast(bits, ir.HalfType()), _f32)
 
 
-_bind(cvt_f32_f16, _cvt_f32_f16)
+_bind(cvt_f32_f16, _ir_intrinsic(_widen_f16_ir, types.float32(types.uint16)))
 
 
 def cvt_f32_bf16(bits):
@@ -177,16 +186,11 @@ def cvt_f32_bf16(bits):
     return (np.uint32(bits) << np.uint32(16)).view(np.float32)
 
 
-@intrinsic
-def _cvt_f32_bf16(typingctx, bits):
-    def codegen(context, builder, sig, args):
-        widened = builder.shl(builder.zext(args[0], _i32), ir.Constant(_i32, 16))
-        return builder.bitcast(widened, _f32)
-
-    return types.float32(types.uint16), codegen
+def _widen_bf16_ir(builder, bits):
+    return builder.bitcast(builder.shl(builder.zext(bits, _i32), ir.Constant(_i32, 16)), _f32)
 
 
-_bind(cvt_f32_bf16, _cvt_f32_bf16)
+_bind(cvt_f32_bf16, _ir_intrinsic(_widen_bf16_ir, types.float32(types.uint16)))
 
 
 def cvt_rn_f16_f32(x):
@@ -202,15 +206,10 @@ def cvt_rn_f16_f32(x):
         return np.float16(x).view(np.uint16)
 
 
-@intrinsic
-def _cvt_rn_f16_f32(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _i16)
-
-    return types.uint16(types.float32), codegen
-
-
-_bind(cvt_rn_f16_f32, _cvt_rn_f16_f32)
+_bind(
+    cvt_rn_f16_f32,
+    _ir_intrinsic(lambda builder, x: builder.bitcast(builder.fptrunc(x, ir.HalfType()), _i16), types.uint16(types.float32)),
+)
 
 
 def cvt_rn_bf16_f32(x):
@@ -290,8 +289,8 @@ def _unpack_lowering(widen_half):
     return lowering
 
 
-_bind(unpack_f16x2, _unpack_lowering(lambda b, h: b.fpext(b.bitcast(h, ir.HalfType()), _f32)))
-_bind(unpack_bf16x2, _unpack_lowering(lambda b, h: b.bitcast(b.shl(b.zext(h, _i32), ir.Constant(_i32, 16)), _f32)))
+_bind(unpack_f16x2, _unpack_lowering(_widen_f16_ir))
+_bind(unpack_bf16x2, _unpack_lowering(_widen_bf16_ir))
 
 
 # --------------------------------------------------------------------------
