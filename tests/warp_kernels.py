@@ -4,6 +4,7 @@ import numpy as np
 from numba import cuda, float32, uint16
 
 from numattn.kernels.ptx import (
+    ballot,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
@@ -68,8 +69,8 @@ def make_mma_kernel(bf16):
 
 
 @cuda.jit
-def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_filled):
-    """Per lane: packing round trips, a butterfly shuffle, ex2, and a zero-filling cp.async."""
+def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_filled, votes):
+    """Per lane: packing round trips, a butterfly shuffle, a ballot, ex2, and a zero-filling cp.async."""
     smem = cuda.shared.array(0, uint16)
     z_s = tile_view(smem, 0, 32, 8)
     lane = cuda.threadIdx.x
@@ -80,6 +81,7 @@ def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_fille
     b_lo, b_hi = unpack_bf16x2(packed_bf16[lane])
     unpacked[lane, 0], unpacked[lane, 1], unpacked[lane, 2], unpacked[lane, 3] = f_lo, f_hi, b_lo, b_hi
     shuffled[lane] = shfl_xor_f32(lo, 5)
+    votes[lane] = ballot(lo > 0)
     exp2[lane] = ex2_approx(lo)
     z_s[lane, 0] = 7
     cp_async_16(z_s, lane, 0, x, (0, 0), 0)

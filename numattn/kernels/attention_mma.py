@@ -33,6 +33,7 @@ from numba import float32, uint16, uint32
 
 from .._cuda import cuda
 from .ptx import (
+    ballot,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
@@ -51,6 +52,7 @@ _LN2 = np.float32(math.log(2.0))
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move
 PAD = 8  # elements added to every shared-memory row
 
 
@@ -223,6 +225,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
         # l_i this lane's partial row sums
         m_i = cuda.local.array(LANE_ROWS, float32)
         l_i = cuda.local.array(LANE_ROWS, float32)
+        row_max = cuda.local.array(LANE_ROWS, float32)  # of the current key tile
         acc = cuda.local.array((WARP_M, DTILES, 4), float32)
         s = cuda.local.array((WARP_M, NTILES, 4), float32)
         p_frag = cuda.local.array((WARP_M, 4), uint32)  # A fragment of P for one k-step
@@ -278,23 +281,37 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                             if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
                                 s[mt, nt, e] = _NEG_INF
 
-            # online softmax; row r = 2·mt + half holds accumulator entries 2·half, 2·half + 1
+            # online softmax; row r = 2·mt + half holds accumulator entries 2·half, 2·half + 1.
+            # Lazy rescaling: the reference max m_i moves only when a row's max exceeds it by
+            # more than RESCALE (P then stays below 2**RESCALE), and the warp moves together,
+            # so that most key tiles skip rescaling acc altogether.
+            grow = False
             for mt in range(WARP_M):
                 for half in range(2):
                     r = 2 * mt + half
-                    m_new = m_i[r]
+                    m_tile = _NEG_INF
                     for nt in range(NTILES):
-                        m_new = max(m_new, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
-                    m_new = max(m_new, shfl_xor_f32(m_new, 1))
-                    m_new = max(m_new, shfl_xor_f32(m_new, 2))
-                    # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
-                    m_ref = m_new if m_new != _NEG_INF else _ZERO
-                    alpha = ex2_approx(m_i[r] - m_ref)
-                    m_i[r] = m_new
-                    l_i[r] *= alpha
-                    for dt in range(DTILES):
-                        acc[mt, dt, 2 * half] *= alpha
-                        acc[mt, dt, 2 * half + 1] *= alpha
+                        m_tile = max(m_tile, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
+                    m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
+                    m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
+                    row_max[r] = m_tile
+                    grow = grow or m_tile > m_i[r] + RESCALE
+            if ballot(grow) != 0:
+                for mt in range(WARP_M):
+                    for half in range(2):
+                        r = 2 * mt + half
+                        m_new = max(m_i[r], row_max[r])
+                        # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
+                        alpha = ex2_approx(m_i[r] - (m_new if m_new != _NEG_INF else _ZERO))
+                        m_i[r] = m_new
+                        l_i[r] *= alpha
+                        for dt in range(DTILES):
+                            acc[mt, dt, 2 * half] *= alpha
+                            acc[mt, dt, 2 * half + 1] *= alpha
+            for mt in range(WARP_M):
+                for half in range(2):
+                    r = 2 * mt + half
+                    m_ref = m_i[r] if m_i[r] != _NEG_INF else _ZERO
                     for nt in range(NTILES):
                         p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
                         p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)

@@ -322,6 +322,27 @@ _bind(
 )
 
 
+def ballot(predicate):
+    """``ballot(predicate) -> uint32``: bit ``l`` set when lane ``l``'s ``predicate`` is true; all 32 lanes take part.
+
+    Emits ``vote.sync.ballot.b32`` with a full member mask.
+    """
+    return _warp_gather(bool(predicate), lambda votes: np.uint32(sum(1 << lane for lane, v in enumerate(votes) if v)))
+
+
+@intrinsic
+def _ballot(typingctx, predicate):
+    def codegen(context, builder, sig, args):
+        flag = builder.zext(args[0], _i32)
+        text = "{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }"
+        return _asm(builder, text, "=r,r", _i32, [flag])
+
+    return types.uint32(types.boolean), codegen
+
+
+_bind(ballot, _ballot)
+
+
 # --------------------------------------------------------------------------
 # Tensor-core matrix multiply-accumulate, m16n8k16, fp32 accumulators
 # --------------------------------------------------------------------------
