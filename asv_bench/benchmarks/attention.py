@@ -18,7 +18,12 @@ def _cuda_torch():
 
 
 class AttentionForward:
-    params = ([(4, 16, 1024, 64), (2, 16, 2048, 128)], ["float16", "bfloat16", "float32"], [False, True])
+    # the last two shapes are the tensor-core targets W5 and W4
+    params = (
+        [(4, 16, 1024, 64), (2, 16, 2048, 128), (8, 16, 2048, 64), (4, 32, 4096, 128)],
+        ["float16", "bfloat16", "float32"],
+        [False, True],
+    )
     param_names = ["shape", "dtype", "causal"]
     unit = "ms"
 
