@@ -1,6 +1,5 @@
 """Small one-warp kernels that exercise the tensor-core primitives, on the GPU or in the simulator."""
 
-import numpy as np
 from numba import cuda, float32, uint16
 
 from numattn.kernels.ptx import (

@@ -413,7 +413,8 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
         key = (_signature(q), _signature(k), _signature(v), _signature(out), causal.__class__, causal,
                scale.__class__, scale, layout, return_lse.__class__, return_lse)
     try:
-        cacheable = all(part is not _UNCACHED for part in key) and hash(key) is not None
+        hash(key)  # an unhashable argument (say a list for scale) is left to validation to report
+        cacheable = all(part is not _UNCACHED for part in key)
     except TypeError:
         cacheable = False
     plan = _PLANS.get(key) if cacheable else None
