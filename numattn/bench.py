@@ -136,8 +136,12 @@ def bench_host_overhead():
     }
 
 
-def bench_mma_configs(shape, dtype, causal, configs):
-    """Rows of {config, ms, tflops, regs, local} for the tensor-core kernel under each tile configuration."""
+def bench_configs(shape, dtype, causal, configs):
+    """Rows of {config, ms, tflops, regs, local} for the attention kernels under each tile configuration.
+
+    ``configs`` may mix ``WgmmaConfig``, ``MmaConfig`` and ``SimtConfig``; a configuration the
+    device cannot compile or launch gives a row with its ``error``.
+    """
     torch = _torch()
     from numattn.ops.attention import _TorchPlan, _validate
 
@@ -149,10 +153,10 @@ def bench_mma_configs(shape, dtype, causal, configs):
     for config in configs:
         try:
             plan = _TorchPlan(problem, config)
+            ms = cuda_time_ms(lambda: plan(q, k, v, None))
         except Exception as exc:  # a configuration the device cannot hold
             rows.append({"config": config, "error": str(exc).splitlines()[0][:100]})
             continue
-        ms = cuda_time_ms(lambda: plan(q, k, v, None))
         attrs = plan.launch.kernel.attributes
         rows.append({"config": config, "ms": ms, "tflops": flops / ms / 1e9, "regs": attrs.regs, "local": attrs.local})
     return rows

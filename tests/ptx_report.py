@@ -19,6 +19,7 @@ from numba import cuda, types  # noqa: E402
 
 from numattn.kernels.attention_mma import choose_mma_config, mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
+from numattn.kernels.attention_wgmma import choose_wgmma_config, wgmma_attention_kernel  # noqa: E402
 
 SIGNATURE = {
     storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
@@ -31,7 +32,9 @@ def report(ptx):
         "local_bytes": sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         "local_ops": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
-        "mnemonics": sorted(set(re.findall(r"^\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async)\.[\w.]+)", ptx, re.M))),
+        "mnemonics": sorted(
+            set(re.findall(r"^\s*(?:\{.*?; )?((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence)\.[\w.:]+)", ptx, re.M))
+        ),
     }
 
 
@@ -50,6 +53,10 @@ def main():
             kernel = mma_attention_kernel(config, dtype, head_dim, head_dim, True, True)
             ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
             results[f"mma-{dtype}-causal1-d{head_dim}"] = report(ptx)
+            config = choose_wgmma_config(head_dim, head_dim, 227 * 1024)
+            kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True)
+            ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
+            results[f"wgmma-{dtype}-causal1-d{head_dim}"] = report(ptx)
     json.dump(results, sys.stdout)
 
 

@@ -172,6 +172,46 @@ def test_tensor_core_configurations(rng, monkeypatch, config):
     assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
 
 
+@pytest.mark.parametrize(
+    "config",
+    [dict(block_n=16, warpgroups=1, stages=2), dict(block_n=32, warpgroups=2, stages=3)],
+    ids=["1group-2stages", "2groups-3stages"],
+)
+def test_wgmma_configurations(rng, monkeypatch, config):
+    """The warpgroup (wgmma) kernel, which sm_90 GPUs run by default, in the simulator: GQA, causal,
+    lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups)."""
+    from numattn.kernels.attention_wgmma import WgmmaConfig
+    from numattn.ops import attention as module
+
+    monkeypatch.setattr(module, "_default_config", lambda *args: WgmmaConfig(**config))
+    monkeypatch.setattr(module, "_PLANS", {})
+    for dtype, causal in (("float16", True), ("bfloat16", False)):
+        q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 70, 83, 64), dtype)
+        o, lse = numattn.attention(q, k, v, causal=causal, return_lse=True)
+        ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+        assert max_error(o, ref_o) <= ATOL[dtype]
+        assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+def test_default_kernel_per_device(monkeypatch):
+    """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
+    and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""
+    from numattn.ops import attention as module
+
+    def kind(cc, head_dim, simulator):
+        monkeypatch.setattr(module, "SIMULATOR", simulator)
+        half = np.ones((1, 2, 8, head_dim), np.float16)
+        problem = module._validate(half, half, half, None, False, None, "bhsd", False)
+        return type(module._default_config(problem, {"cc": cc, "max_shared": 227 * 1024})).__name__
+
+    assert kind((9, 0), 128, False) == "WgmmaConfig"
+    assert kind((9, 0), 64, False) == "WgmmaConfig"
+    assert kind((9, 0), 80, False) == "MmaConfig"
+    assert kind((8, 0), 128, False) == "MmaConfig"
+    assert kind((10, 0), 128, False) == "MmaConfig"  # wgmma is sm_90 only
+    assert kind((9, 0), 128, True) == "MmaConfig"
+
+
 def test_kernel_choice():
     """fp16/bf16 with head dims in multiples of 16 and rows fit for 16-byte copies take the tensor-core kernel."""
     from numattn.ops.attention import _attention_kernel, _validate

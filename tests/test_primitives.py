@@ -74,13 +74,13 @@ def test_tile_view_twin():
 
 @pytest.mark.ptx
 def test_kernel_ptx_has_no_local_memory_or_fp64():
-    """Compile the SIMT kernel variants to PTX (no GPU needed) and inspect the code."""
+    """Compile the kernel variants to PTX (no GPU needed) and inspect the code."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     script = Path(__file__).with_name("ptx_report.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 18
+    assert len(results) == 24
     for variant, facts in results.items():
         mnemonics = set(facts["mnemonics"])
         assert facts["local_bytes"] == 0 and facts["local_ops"] == 0, (variant, facts)
@@ -101,6 +101,18 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
                 "cp.async.wait_group",
                 "ex2.approx.ftz.f32",
                 f"cvt.rn.{ptx_type}x2.f32",
+            } <= mnemonics, (variant, facts)
+        if variant.startswith("wgmma"):
+            ptx_type = "bf16" if "bfloat16" in variant else "f16"
+            products = {m for m in mnemonics if m.startswith("wgmma.mma_async.sync.aligned.m64n")}
+            assert products and all(m.endswith(f"k16.f32.{ptx_type}.{ptx_type}") for m in products), (variant, facts)
+            assert {
+                "wgmma.fence.sync.aligned",
+                "wgmma.commit_group.sync.aligned",
+                "wgmma.wait_group.sync.aligned",
+                "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
+                "mbarrier.try_wait.parity.shared::cta.b64",
+                "fence.proxy.async.shared::cta",
             } <= mnemonics, (variant, facts)
 
 
@@ -131,25 +143,33 @@ def test_conversions_on_gpu_match_twins(rng):
         assert bad.size == 0, [(floats[i], hex(gpu[i]), hex(expected[i])) for i in bad[:8]]
 
 
+def _bits(m, bf16):
+    """16-bit bit patterns of float32 ``m`` rounded to bf16 or fp16."""
+    if bf16:
+        return torch.from_numpy(m).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return m.astype(np.float16).view(np.uint16)
+
+
+def _floats(bits, bf16):
+    """float64 values of 16-bit bit patterns."""
+    if bf16:
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).double().numpy()
+    return bits.view(np.float16).astype(np.float64)
+
+
 def _run_mma_kernel(rng, bf16):
     from warp_kernels import SHARED_BYTES, make_mma_kernel
 
     a = rng.standard_normal((16, 16)).astype(np.float32)
     b = rng.standard_normal((16, 16)).astype(np.float32)
-    if bf16:
-        to_bits = lambda m: torch.from_numpy(m).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # noqa: E731
-        from_bits = lambda m: torch.from_numpy(m.view(np.int16)).view(torch.bfloat16).double().numpy()  # noqa: E731
-    else:
-        to_bits = lambda m: m.astype(np.float16).view(np.uint16)  # noqa: E731
-        from_bits = lambda m: m.view(np.float16).astype(np.float64)  # noqa: E731
-    a_bits, b_bits = to_bits(a), to_bits(b)
+    a_bits, b_bits = _bits(a, bf16), _bits(b, bf16)
     d_bt = np.full((16, 16), np.nan, np.float32)
     d_b = np.full((16, 16), np.nan, np.float32)
     from numba import cuda
 
     args = [cuda.to_device(x) for x in (a_bits, np.ascontiguousarray(b_bits.T), b_bits, d_bt, d_b)]
     make_mma_kernel(bf16)[1, 32, 0, SHARED_BYTES](*args)
-    expected = from_bits(a_bits) @ from_bits(b_bits)
+    expected = _floats(a_bits, bf16) @ _floats(b_bits, bf16)
     return args[3].copy_to_host(), args[4].copy_to_host(), expected
 
 
@@ -188,3 +208,38 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     np.testing.assert_allclose(exp2, np.exp2(x[:, 0].astype(np.float64)), rtol=2e-7)
     assert np.all(zero_filled == 0)
     assert np.all(votes == sum(1 << lane for lane in range(32) if x[lane, 0] > 0))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_wgmma_swizzled_operands(rng, bf16, where):
+    """cp.async into 128-byte swizzled tiles → wgmma (shared/shared, K-major B; registers/shared,
+    MN-major B) reproduces the products: the descriptors, the swizzle and the fragment layouts agree."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma needs sm_90")
+    from numba import cuda
+    from warp_kernels import WG_D, WG_K, WG_N, WGMMA_SHARED_BYTES, make_wgmma_kernel
+
+    a, bt = (_bits(rng.standard_normal((rows, WG_D)).astype(np.float32), bf16) for rows in (64, WG_N))
+    v = _bits(rng.standard_normal((WG_K, WG_N)).astype(np.float32), bf16)
+    s_out = np.full((64, WG_N), np.nan, np.float32)
+    o_out = np.full((64, WG_N), np.nan, np.float32)
+    args = [cuda.to_device(x) for x in (a, bt, v, s_out, o_out)]
+    make_wgmma_kernel(bf16)[1, 128, 0, WGMMA_SHARED_BYTES](*args)
+    A = _floats(a, bf16)
+    np.testing.assert_allclose(args[3].copy_to_host(), A @ _floats(bt, bf16).T, rtol=0, atol=1e-3)
+    np.testing.assert_allclose(args[4].copy_to_host(), A[:, :WG_K] @ _floats(v, bf16), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_named_barriers_take_turns(where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import turns_kernel
+
+    order = cuda.to_device(np.full(8, -1, np.int32))
+    turns_kernel[1, 64](order)
+    assert order.copy_to_host().tolist() == [0, 1] * 4

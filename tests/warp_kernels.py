@@ -1,24 +1,40 @@
 """Small one-warp kernels that exercise the tensor-core primitives, on the GPU or in the simulator."""
 
-from numba import cuda, float32, uint16
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from numattn.kernels.ptx import (
+    SW128_ALIGN,
+    aligned_start,
     ballot,
+    barrier_arrive,
+    barrier_sync,
     cp_async_16,
     cp_async_commit,
+    cp_async_mbarrier_arrive,
     cp_async_wait_group,
     ex2_approx,
+    fence_proxy_async,
+    fence_registers,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
+    mbarrier_init,
+    mbarrier_try_wait,
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
     unpack_bf16x2,
     unpack_f16x2,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_rs_bf16,
+    wgmma_rs_f16,
+    wgmma_ss_bf16,
+    wgmma_ss_f16,
+    wgmma_wait,
 )
-from numattn.kernels.tiles import tile_view
+from numattn.kernels.tiles import sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)
 
@@ -91,3 +107,96 @@ def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_fille
 
 
 SHARED_BYTES = 48 * ROW * 2
+
+
+WG_N, WG_D, WG_K = 64, 128, 32  # wgmma test: S = A Bᵀ is 64×64 over 128, O = A[:, :32] · V is 64×64 over 32
+
+
+def make_wgmma_kernel(bf16):
+    """kernel(a, bt, v, s_out, o_out): one warpgroup computes ``a @ bt.T`` and ``a[:, :32] @ v``.
+
+    ``a`` (64, 128), ``bt`` (64, 128) and ``v`` (32, 64) are 16-bit bit patterns,
+    staged with cp.async into 128-byte swizzled tiles, an mbarrier signalling
+    that they landed. ``s_out`` comes from wgmma with both operands in shared
+    memory (B K-major), ``o_out`` from wgmma with A fragments in registers
+    (read from ``a``) and B MN-major, over two accumulating k-steps.
+    """
+    wgmma_ss = wgmma_ss_bf16 if bf16 else wgmma_ss_f16
+    wgmma_rs = wgmma_rs_bf16 if bf16 else wgmma_rs_f16
+    A_ROW0, B_ROW0, V_ROW0 = 0, 2 * 64, 4 * 64  # tiles in 128-byte rows: A, Bᵀ (two panels each), V
+    ROWS = V_ROW0 + WG_K
+
+    @cuda.jit
+    def kernel(a, bt, v, s_out, o_out):
+        smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(1, int64)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, ROWS, 64)
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            mbarrier_init(bars, 0, 128)
+        cuda.syncthreads()
+        for i in range(tid, 64 * 16, 128):  # 16 chunks of 8 per row of a and bt
+            r, c = i // 16, (i % 16) * 8
+            row, col = sw128_cell(A_ROW0, 64, r, c)
+            cp_async_16(view, row, col, a, (r, c), 16)
+            row, col = sw128_cell(B_ROW0, 64, r, c)
+            cp_async_16(view, row, col, bt, (r, c), 16)
+        for i in range(tid, WG_K * 8, 128):  # 8 chunks per row of v
+            r, c = i // 8, (i % 8) * 8
+            row, col = sw128_cell(V_ROW0, WG_K, r, c)
+            cp_async_16(view, row, col, v, (r, c), 16)
+        cp_async_mbarrier_arrive(bars, 0)
+        while not mbarrier_try_wait(bars, 0, 0):
+            pass
+        fence_proxy_async()
+
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        s = cuda.local.array((WG_N // 8, 4), float32)
+        o = cuda.local.array((WG_N // 8, 4), float32)
+        wgmma_fence()
+        for ks in range(WG_D // 16):
+            panel, col = ks // 4, 16 * (ks % 4)
+            a_offset = start + 64 * (A_ROW0 + 64 * panel) + col
+            b_offset = start + 64 * (B_ROW0 + 64 * panel) + col
+            wgmma_ss(s, WG_N, smem, a_offset, b_offset, 0, False, ks > 0)
+        r = 16 * warp + g
+        for ks in range(WG_K // 16):  # A fragment of k-step ks straight from global memory
+            k0 = 16 * ks + 2 * t
+            a0 = uint32(a[r, k0]) | uint32(a[r, k0 + 1]) << uint32(16)
+            a1 = uint32(a[r + 8, k0]) | uint32(a[r + 8, k0 + 1]) << uint32(16)
+            a2 = uint32(a[r, k0 + 8]) | uint32(a[r, k0 + 9]) << uint32(16)
+            a3 = uint32(a[r + 8, k0 + 8]) | uint32(a[r + 8, k0 + 9]) << uint32(16)
+            wgmma_rs(o, WG_N, a0, a1, a2, a3, smem, start + 64 * (V_ROW0 + 16 * ks), 64 * WG_K, True, ks > 0)
+        wgmma_commit()
+        wgmma_wait(0)
+        fence_registers(s, WG_N // 2)
+        fence_registers(o, WG_N // 2)
+        for j in range(WG_N // 8):
+            for e in range(4):
+                s_out[r + 8 * (e // 2), 8 * j + 2 * t + e % 2] = s[j, e]
+                o_out[r + 8 * (e // 2), 8 * j + 2 * t + e % 2] = o[j, e]
+
+    return kernel
+
+
+WGMMA_SHARED_BYTES = 2 * 64 * (4 * 64 + WG_K) + SW128_ALIGN
+
+
+@cuda.jit
+def turns_kernel(order):
+    """Two warps take strict turns through named barriers 1 and 2; ``order`` records whose turn each was."""
+    position = cuda.shared.array(1, int32)
+    warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+    if cuda.threadIdx.x == 0:
+        position[0] = 0
+    cuda.syncthreads()
+    if warp == 1:
+        barrier_arrive(1, 64)  # warp 0 goes first
+    for _ in range(4):
+        barrier_sync(1 + warp, 64)
+        if lane == 0:
+            order[position[0]] = warp
+            position[0] += 1
+        barrier_arrive(1 + (1 - warp), 64)

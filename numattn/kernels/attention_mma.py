@@ -25,34 +25,27 @@ rows, and head dims that are multiples of 16.
 """
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .online_softmax import softmax_steps
 from .ptx import (
-    ballot,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
-    ex2_approx,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
     pack_f16x2,
-    shfl_xor_f32,
 )
-from .tiles import NARROW, query_block, tile_view
+from .tiles import query_block, tile_view
 
-_LN2 = np.float32(math.log(2.0))
-_NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
-_ONE = np.float32(1.0)
-RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move
 PAD = 8  # elements added to every shared-memory row
 
 
@@ -149,7 +142,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     CAUSAL, WRITE_LSE = causal, write_lse
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
-    narrow = NARROW[dtype]
+    init, scale_and_mask, update, rescale, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
 
     @cuda.jit(device=True)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
@@ -221,21 +214,15 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
             for ks in range(KSTEPS):
                 load_q_fragments(q_frag, q_s, ks, ks, warp_row0, mat, mrow)
 
-        # per m16 tile, rows g (index 2·mt) and g + 8 (2·mt + 1); m_i in the log2 domain,
-        # l_i this lane's partial row sums
+        # row statistics per lane (online_softmax's layout); m_i in the log2 domain
         m_i = cuda.local.array(LANE_ROWS, float32)
         l_i = cuda.local.array(LANE_ROWS, float32)
         row_max = cuda.local.array(LANE_ROWS, float32)  # of the current key tile
+        alpha = cuda.local.array(LANE_ROWS, float32)  # rescaling factors of the output rows
         acc = cuda.local.array((WARP_M, DTILES, 4), float32)
         s = cuda.local.array((WARP_M, NTILES, 4), float32)
         p_frag = cuda.local.array((WARP_M, 4), uint32)  # A fragment of P for one k-step
-        for r in range(LANE_ROWS):
-            m_i[r] = _NEG_INF
-            l_i[r] = _ZERO
-        for mt in range(WARP_M):
-            for dt in range(DTILES):
-                for e in range(4):
-                    acc[mt, dt, e] = _ZERO
+        init(m_i, l_i, acc)
 
         for j in range(n_blocks):
             stage = j % STAGES
@@ -268,56 +255,11 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                         mma_into(s, mt, 2 * np2, a0, a1, a2, a3, b0, b1)
                         mma_into(s, mt, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
-            # into the log2 domain; mask keys past the end and past the diagonal
             n0 = j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
-            for mt in range(WARP_M):
-                for nt in range(NTILES):
-                    for e in range(4):
-                        s[mt, nt, e] *= scale_log2
-                        if masked:
-                            row = m0 + warp_row0 + 16 * mt + g + 8 * (e // 2)
-                            col = n0 + 8 * nt + 2 * t + e % 2
-                            if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
-                                s[mt, nt, e] = _NEG_INF
-
-            # online softmax; row r = 2·mt + half holds accumulator entries 2·half, 2·half + 1.
-            # Lazy rescaling: the reference max m_i moves only when a row's max exceeds it by
-            # more than RESCALE (P then stays below 2**RESCALE), and the warp moves together,
-            # so that most key tiles skip rescaling acc altogether.
-            grow = False
-            for mt in range(WARP_M):
-                for half in range(2):
-                    r = 2 * mt + half
-                    m_tile = _NEG_INF
-                    for nt in range(NTILES):
-                        m_tile = max(m_tile, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
-                    m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
-                    m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
-                    row_max[r] = m_tile
-                    grow = grow or m_tile > m_i[r] + RESCALE
-            if ballot(grow) != 0:
-                for mt in range(WARP_M):
-                    for half in range(2):
-                        r = 2 * mt + half
-                        m_new = max(m_i[r], row_max[r])
-                        # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
-                        alpha = ex2_approx(m_i[r] - (m_new if m_new != _NEG_INF else _ZERO))
-                        m_i[r] = m_new
-                        l_i[r] *= alpha
-                        for dt in range(DTILES):
-                            acc[mt, dt, 2 * half] *= alpha
-                            acc[mt, dt, 2 * half + 1] *= alpha
-            for mt in range(WARP_M):
-                for half in range(2):
-                    r = 2 * mt + half
-                    m_ref = m_i[r] if m_i[r] != _NEG_INF else _ZERO
-                    for nt in range(NTILES):
-                        p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
-                        p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)
-                        l_i[r] += p0 + p1
-                        s[mt, nt, 2 * half] = p0
-                        s[mt, nt, 2 * half + 1] = p1
+            scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t)
+            if update(s, m_i, l_i, row_max, alpha):
+                rescale(acc, alpha)
 
             # O += P V; the accumulator tiles 2kk, 2kk+1 of P are the A fragment of k-step kk
             for kk in range(PSTEPS):
@@ -335,21 +277,6 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                         mma_into(acc, mt, 2 * dp + 1, a0, a1, a2, a3, b2, b3)
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
-        # epilogue: full row sums across the four lanes of a group, O = acc / l
-        for mt in range(WARP_M):
-            for half in range(2):
-                r = 2 * mt + half
-                l_sum = l_i[r]
-                l_sum += shfl_xor_f32(l_sum, 1)
-                l_sum += shfl_xor_f32(l_sum, 2)
-                row = m0 + warp_row0 + 16 * mt + g + 8 * half
-                if row < seqlen_q:
-                    inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
-                    for dt in range(DTILES):
-                        col = 8 * dt + 2 * t
-                        o[b, h, row, col] = narrow(acc[mt, dt, 2 * half] * inv_l)
-                        o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1] * inv_l)
-                    if WRITE_LSE and t == 0:
-                        lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+        store(o, lse, WRITE_LSE, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, g, t)
 
     return cuda.jit(kernel)

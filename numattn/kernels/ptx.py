@@ -88,10 +88,13 @@ def _unpack_struct(context, builder, sig, value, count):
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(count)])
 
 
-def _shared_address(context, builder, tile_type, tile, row, col):
-    """32-bit shared-state-space address of ``tile[row, col]`` (``tile`` in shared memory)."""
+def _shared_address(context, builder, tile_type, tile, *index):
+    """32-bit shared-state-space address of ``tile[index]`` (``tile`` in shared memory).
+
+    ``index`` holds one ``(value, numba type)`` pair per axis.
+    """
     array = make_array(tile_type)(context, builder, tile)
-    indices = [context.cast(builder, v, t, types.intp) for v, t in ((row[0], row[1]), (col[0], col[1]))]
+    indices = [context.cast(builder, v, t, types.intp) for v, t in index]
     ptr = cgutils.get_item_pointer(context, builder, tile_type, array, indices)
     shared = builder.addrspacecast(ptr, ir.PointerType(ptr.type.pointee, addrspace=3))
     return builder.ptrtoint(shared, _i32)
@@ -356,6 +359,15 @@ _bind(ballot, _ballot)
 _G, _T = np.arange(WARP_SIZE) // 4, np.arange(WARP_SIZE) % 4
 
 
+def _a_matrix(a, widen_bits):
+    """The 16×16 A operand from every lane's four A-fragment registers (``a`` of shape (32, 4))."""
+    A = np.empty((16, 16), np.float32)
+    for i in range(4):
+        rows, cols = _G + 8 * (i % 2), 2 * _T + 8 * (i // 2)
+        A[rows, cols], A[rows, cols + 1] = widen_bits(a[:, i] & 0xFFFF), widen_bits(a[:, i] >> 16)
+    return A
+
+
 def _mma_combine(widen_bits):
     """The warp-wide product: lanes' (a, b, c) registers in, every lane's (d0, d1, d2, d3) out."""
 
@@ -363,12 +375,10 @@ def _mma_combine(widen_bits):
         a = np.array([lane[0] for lane in lanes], dtype=np.uint32)  # (32, 4)
         b = np.array([lane[1] for lane in lanes], dtype=np.uint32)  # (32, 2)
         c = np.array([lane[2] for lane in lanes], dtype=np.float32)  # (32, 4)
-        A = np.empty((16, 16), np.float32)
+        A = _a_matrix(a, widen_bits)
         B = np.empty((16, 8), np.float32)
         C = np.empty((16, 8), np.float32)
         for i in range(4):
-            rows, cols = _G + 8 * (i % 2), 2 * _T + 8 * (i // 2)
-            A[rows, cols], A[rows, cols + 1] = widen_bits(a[:, i] & 0xFFFF), widen_bits(a[:, i] >> 16)
             C[_G + 8 * (i // 2), 2 * _T + i % 2] = c[:, i]
         for i in range(2):
             ks = 2 * _T + 8 * i
@@ -481,9 +491,7 @@ def _ldmatrix_lowering(variant):
         sig = types.UniTuple(types.uint32, 4)(tile, row, col)
 
         def codegen(context, builder, sig, args):
-            address = _shared_address(
-                context, builder, sig.args[0], args[0], (args[1], sig.args[1]), (args[2], sig.args[2])
-            )
+            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:], sig.args[1:]))
             result = ir.LiteralStructType([_i32] * 4)
             out = _asm(builder, text, "=r,=r,=r,=r,r,~{memory}", result, [address], side_effect=True)
             return _unpack_struct(context, builder, sig, out, 4)
@@ -594,3 +602,524 @@ def _cp_async_wait_group_gpu(pending):
         return _cp_async_wait_group(PENDING)
 
     return impl
+
+
+# --------------------------------------------------------------------------
+# Warpgroup matrix multiply-accumulate (sm_90 wgmma)
+# --------------------------------------------------------------------------
+# A warpgroup (four consecutive, aligned warps: 128 threads) computes
+# D (64×N) = A (64×16) · B (16×N) [+ D] asynchronously. Operands in shared
+# memory use the 128-byte-swizzled layout that wgmma's matrix descriptors name
+# "SW128": a tile is stored in panels of 64 columns; within a panel row r takes
+# the 128 bytes at 128·r and its 16-byte chunk c (columns 8c .. 8c + 7) sits at
+# chunk position c ^ (r % 8). Tiles start 1024-byte aligned, since the
+# hardware swizzles address bits. An operand is named by the element offset
+# of its first element before swizzling:
+#   A, K-major (64 rows × 16 of a row-major tile): panel start + 64·row0 + k0 % 64
+#   B, K-major (B[k, n] = T[n, k0 + k], T an N-row tile): panel start + k0 % 64
+#   B, MN-major (B[k, n] = T[k0 + k, n], T row-major): tile start + 64·k0, with
+#      its 64-column panels ``b_panel`` elements apart.
+# D is a float32 local array of shape (N/8, 4) laid out as mma.sync's
+# accumulator, per warp for its 16 rows: warp w of the group holds rows
+# 16w + group (entries 0, 1) and 16w + group + 8 (entries 2, 3) at columns
+# 8j + 2·tig and 8j + 2·tig + 1 of entry row j. An A operand in registers
+# (``wgmma_rs_*``) has mma.sync's A-fragment layout, per warp for its 16 rows.
+#
+# Order of use: fence_registers(D); wgmma_fence(); wgmma_* ...; wgmma_commit();
+# wgmma_wait(0); fence_registers(D). Shared memory written by ordinary stores
+# or cp.async must be published with fence_proxy_async() and a barrier first.
+# The twins compute at once, so the fences and waits are no-ops there.
+
+WARPGROUP = 128
+SW128_ALIGN = 1024  # bytes: alignment of a swizzled tile
+
+
+def _swizzle128(elements):
+    """Element offsets (16-bit elements) after the 128-byte swizzle: chunk bits ^= row bits."""
+    return elements ^ (((elements >> 6) & 7) << 3)
+
+
+def _operand_b(buf, widen_bits, offset, n, panel, mn_major):
+    """Twin: the (16, n) B operand named by ``offset`` (layouts above), widened to float32."""
+    k = np.arange(16)[:, None]
+    col = np.arange(n)[None, :]
+    if mn_major:
+        index = offset + (col // 64) * panel + 64 * k + col % 64
+    else:
+        index = offset + 64 * col + k
+    return widen_bits(np.asarray(buf)[_swizzle128(index)])
+
+
+def _warpgroup_position():
+    """Twin: (row of this thread's first D entries within the 64, tig)."""
+    thread = threading.current_thread().thread_id
+    group, tig = divmod(thread % WARP_SIZE, 4)
+    return 16 * ((thread // WARP_SIZE) % 4) + group, tig
+
+
+def _store_d(acc, rows, tig, accumulate):
+    """Twin: this thread's entries of the (2, N) product ``rows`` (rows g and g + 8) into ``acc``."""
+    flat = acc.reshape(-1)  # a view: (N/8, 4) entries, whatever the array's shape
+    for j in range(rows.shape[1] // 8):
+        for e in range(4):
+            value = np.float32(rows[e // 2, 8 * j + 2 * tig + e % 2])
+            flat[4 * j + e] = value + flat[4 * j + e] if accumulate else value
+
+
+def _literal_int(numba_type):
+    """The value of an integer or boolean literal type, None for any other type."""
+    return int(numba_type.literal_value) if isinstance(numba_type, types.Literal) else None
+
+
+def _wgmma_text(n, ptx_type, a_operand, count, tail):
+    d = ",".join(f"${i}" for i in range(count))
+    return (
+        f"{{ .reg .pred p; setp.ne.b32 p, ${2 * count + tail}, 0; "
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{d}}}, {a_operand}, "
+    )
+
+
+def _descriptor(builder, address, lbo_bytes):
+    """64-bit wgmma matrix descriptor of a SW128 operand at shared ``address`` (i32).
+
+    Bits 0–13 start address / 16, 16–29 leading byte offset / 16 (between MN-major panels),
+    32–45 stride byte offset / 16 (1024: between groups of eight 128-byte rows), 62–63 swizzle (1: 128 B).
+    """
+
+    def field(value, shift):
+        return builder.shl(builder.lshr(builder.and_(value, ir.Constant(_i64, 0x3FFFF)), ir.Constant(_i64, 4)),
+                           ir.Constant(_i64, shift))
+
+    fixed = ir.Constant(_i64, (1024 >> 4) << 32 | 1 << 62)
+    start = field(builder.zext(address, _i64), 0)
+    return builder.or_(builder.or_(start, field(lbo_bytes, 16)), fixed)
+
+
+def _wgmma_ir(builder, context, acc_type, acc, text, count, operands, operand_constraints):
+    """Load ``count`` accumulators, emit the asynchronous product, store the result registers back."""
+    array = make_array(acc_type)(context, builder, acc)
+    intp = context.get_value_type(types.intp)
+    slots = [builder.gep(array.data, [ir.Constant(intp, i)]) for i in range(count)]
+    values = [builder.load(slot) for slot in slots]
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + operand_constraints + ["~{memory}"])
+    out = _asm(builder, text, constraints, ir.LiteralStructType([_f32] * count), values + operands, side_effect=True)
+    for i, slot in enumerate(slots):
+        builder.store(builder.extract_value(out, i), slot)
+
+
+def _make_wgmma(ptx_type, widen_bits):
+    """The ``wgmma_ss_*`` and ``wgmma_rs_*`` pair for one input type."""
+
+    def wgmma_ss(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
+        row, tig = _warpgroup_position()
+        index = _swizzle128(a_offset + 64 * np.array([[row], [row + 8]]) + np.arange(16)[None, :])
+        a = widen_bits(np.asarray(buf)[index])
+        _store_d(acc, a @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major), tig, accumulate)
+
+    def wgmma_rs(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+        A = _warp_gather((a0, a1, a2, a3), lambda lanes: _a_matrix(np.array(lanes, dtype=np.uint32), widen_bits))
+        row, tig = _warpgroup_position()
+        group = row % 16
+        rows = A[[group, group + 8]] @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major)
+        _store_d(acc, rows, tig, accumulate)
+
+    wgmma_ss.__doc__ = f"""``wgmma_ss_{ptx_type}(acc, N, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate)``.
+
+    ``acc`` (float32, (N/8, 4)) = A·B (+ ``acc`` when ``accumulate``), both
+    operands {ptx_type} in the SW128 shared buffer ``buf`` (1-D uint16) at the
+    element offsets named above; ``N`` and ``b_mn_major`` are constants.
+    Emits ``wgmma.mma_async.sync.aligned.m64nNk16.f32.{ptx_type}.{ptx_type}``.
+    """
+    wgmma_rs.__doc__ = f"""``wgmma_rs_{ptx_type}(acc, N, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate)``.
+
+    As ``wgmma_ss_{ptx_type}`` with A in registers: ``a0..a3`` are the warp's
+    A fragment (mma.sync layout) of its 16 rows.
+    """
+
+    @intrinsic
+    def ss_ir(typingctx, acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
+        N, trans = _literal_int(n), _literal_int(b_mn_major)
+        if N is None or trans is None:
+            return None
+        count = N // 2
+        text = _wgmma_text(N, ptx_type, f"${2 * count}", count, 2) + f"${2 * count + 1}, p, 1, 1, 0, {trans}; }}"
+
+        def codegen(context, builder, sig, args):
+            buf_type = sig.args[2]
+            a = _shared_address(context, builder, buf_type, args[2], (args[3], sig.args[3]))
+            b = _shared_address(context, builder, buf_type, args[2], (args[4], sig.args[4]))
+            panel = builder.mul(context.cast(builder, args[5], sig.args[5], types.int64), ir.Constant(_i64, 2))
+            flag = builder.zext(context.cast(builder, args[7], sig.args[7], types.boolean), _i32)
+            descriptors = [_descriptor(builder, a, ir.Constant(_i64, 16)), _descriptor(builder, b, panel)]
+            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, descriptors + [flag], ["l", "l", "r"])
+            return context.get_dummy_value()
+
+        return types.none(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate), codegen
+
+    @intrinsic
+    def rs_ir(typingctx, acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+        N, trans = _literal_int(n), _literal_int(b_mn_major)
+        if N is None or trans is None:
+            return None
+        count = N // 2
+        a_regs = "{" + ",".join(f"${2 * count + i}" for i in range(4)) + "}"
+        text = _wgmma_text(N, ptx_type, a_regs, count, 5) + f"${2 * count + 4}, p, 1, 1, {trans}; }}"
+
+        def codegen(context, builder, sig, args):
+            buf_type = sig.args[6]
+            b = _shared_address(context, builder, buf_type, args[6], (args[7], sig.args[7]))
+            panel = builder.mul(context.cast(builder, args[8], sig.args[8], types.int64), ir.Constant(_i64, 2))
+            flag = builder.zext(context.cast(builder, args[10], sig.args[10], types.boolean), _i32)
+            operands = list(args[2:6]) + [_descriptor(builder, b, panel), flag]
+            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, operands, ["r"] * 4 + ["l", "r"])
+            return context.get_dummy_value()
+
+        return types.none(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate), codegen
+
+    @overload(wgmma_ss, target="cuda", prefer_literal=True, inline="always")
+    def _ss_gpu(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
+        N, MN = _literal_int(n), _literal_int(b_mn_major)
+        if N is None or MN is None:
+            return None  # N and b_mn_major must be compile-time constants
+
+        def impl(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
+            return ss_ir(acc, N, buf, a_offset, b_offset, b_panel, MN, accumulate)
+
+        return impl
+
+    @overload(wgmma_rs, target="cuda", prefer_literal=True, inline="always")
+    def _rs_gpu(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+        N, MN = _literal_int(n), _literal_int(b_mn_major)
+        if N is None or MN is None:
+            return None  # N and b_mn_major must be compile-time constants
+
+        def impl(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+            return rs_ir(acc, N, a0, a1, a2, a3, buf, b_offset, b_panel, MN, accumulate)
+
+        return impl
+
+    wgmma_ss.__name__, wgmma_rs.__name__ = f"wgmma_ss_{ptx_type}", f"wgmma_rs_{ptx_type}"
+    return wgmma_ss, wgmma_rs
+
+
+wgmma_ss_f16, wgmma_rs_f16 = _make_wgmma("f16", _widen_f16_bits)
+wgmma_ss_bf16, wgmma_rs_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
+
+
+def _statement_intrinsic(text):
+    """A no-argument intrinsic emitting one PTX statement, ordered with memory accesses."""
+
+    @intrinsic
+    def lowering(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(), codegen
+
+    return lowering
+
+
+def wgmma_fence():
+    """``wgmma_fence()``: order earlier register and shared-memory accesses before the next wgmma (``wgmma.fence``)."""
+
+
+def wgmma_commit():
+    """``wgmma_commit()``: close the group of wgmma operations issued so far (``wgmma.commit_group``)."""
+
+
+def fence_proxy_async():
+    """``fence_proxy_async()``: make this thread's shared-memory writes visible to wgmma operand reads.
+
+    Emits ``fence.proxy.async.shared::cta``; a barrier must follow before another thread's wgmma reads them.
+    """
+
+
+_bind(wgmma_fence, _statement_intrinsic("wgmma.fence.sync.aligned;"))
+_bind(wgmma_commit, _statement_intrinsic("wgmma.commit_group.sync.aligned;"))
+_bind(fence_proxy_async, _statement_intrinsic("fence.proxy.async.shared::cta;"))
+
+
+def wgmma_wait(pending):
+    """``wgmma_wait(N)``: wait until at most ``N`` (a constant) committed wgmma groups are in flight."""
+
+
+@intrinsic
+def _wgmma_wait(typingctx, pending):
+    if not isinstance(pending, types.IntegerLiteral):
+        return None
+    text = f"wgmma.wait_group.sync.aligned {pending.literal_value};"
+
+    def codegen(context, builder, sig, args):
+        _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(pending), codegen
+
+
+@overload(wgmma_wait, target="cuda", prefer_literal=True, inline="always")
+def _wgmma_wait_gpu(pending):
+    PENDING = _literal_int(pending)
+    if PENDING is None:
+        return None
+
+    def impl(pending):
+        return _wgmma_wait(PENDING)
+
+    return impl
+
+
+def fence_registers(acc, count):
+    """``fence_registers(regs, COUNT)``: keep the compiler from moving accesses of ``regs[:COUNT]`` across it.
+
+    ``regs`` is a float32 or uint32 local array (its first ``COUNT``
+    elements, a constant). Each element passes through an empty volatile
+    ``asm``, so reads of a wgmma result stay after ``wgmma_wait``, writes of an
+    accumulator stay before ``wgmma_fence``, and registers that an
+    in-flight wgmma reads (an A operand) stay reserved until the wait: ptxas
+    would otherwise reuse them and pull the wait up to the reuse. No
+    instruction is emitted.
+    """
+
+
+@intrinsic
+def _fence_registers(typingctx, acc, count):
+    if not isinstance(count, types.IntegerLiteral):
+        return None
+    n = count.literal_value
+
+    register = {types.float32: ("=f,0", _f32), types.uint32: ("=r,0", _i32)}.get(getattr(acc, "dtype", None))
+    if register is None:
+        return None
+    constraints, value_type = register
+
+    def codegen(context, builder, sig, args):
+        array = make_array(sig.args[0])(context, builder, args[0])
+        intp = context.get_value_type(types.intp)
+        for i in range(n):
+            slot = builder.gep(array.data, [ir.Constant(intp, i)])
+            builder.store(_asm(builder, "", constraints, value_type, [builder.load(slot)], side_effect=True), slot)
+        return context.get_dummy_value()
+
+    return types.none(acc, count), codegen
+
+
+@overload(fence_registers, target="cuda", prefer_literal=True, inline="always")
+def _fence_registers_gpu(acc, count):
+    COUNT = _literal_int(count)
+    if COUNT is None:
+        return None
+
+    def impl(acc, count):
+        return _fence_registers(acc, COUNT)
+
+    return impl
+
+
+def aligned_start(buf, alignment):
+    """``aligned_start(buf, alignment) -> int``: the first index of shared ``buf`` whose address is a multiple of ``alignment`` bytes.
+
+    ``buf`` is a 1-D shared array; ``alignment`` a power of two. The twin
+    treats ``buf[0]`` as aligned.
+    """
+    return 0
+
+
+@intrinsic
+def _aligned_start(typingctx, buf, alignment):
+    if not (isinstance(buf, types.Array) and buf.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        address = _shared_address(context, builder, sig.args[0], args[0], (ir.Constant(_i64, 0), types.int64))
+        mask = builder.sub(context.cast(builder, args[1], sig.args[1], types.int32), ir.Constant(_i32, 1))
+        pad = builder.and_(builder.neg(address), mask)
+        itemsize = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
+        return builder.zext(builder.udiv(pad, ir.Constant(_i32, itemsize)), _i64)
+
+    return types.int64(buf, alignment), codegen
+
+
+_bind(aligned_start, _aligned_start)
+
+
+# --------------------------------------------------------------------------
+# Shared-memory barriers (mbarrier)
+# --------------------------------------------------------------------------
+# An mbarrier is a 64-bit word in shared memory that counts arrivals: when
+# ``count`` threads have arrived, its current phase completes and the next
+# begins. ``mbarrier_try_wait(bars, i, parity)`` tells whether the phase of
+# that parity has completed. Producers and consumers of a ring of buffers
+# each keep one barrier per buffer and wait for phase ``(use // stages) % 2``.
+# The twins keep each barrier's state with the simulated block and block the
+# waiting thread on a condition variable.
+
+
+class _Mbarrier:
+    def __init__(self, count):
+        self.count = count
+        self.pending = count
+        self.phases = 0  # completed phases
+        self.changed = threading.Condition()
+
+    def arrive(self):
+        with self.changed:
+            self.pending -= 1
+            if self.pending == 0:
+                self.pending = self.count
+                self.phases += 1
+                self.changed.notify_all()
+
+
+def _mbarriers():
+    manager = threading.current_thread()._manager
+    with _exchange_lock:
+        return manager.__dict__.setdefault("_numattn_mbarriers", {})
+
+
+def _mbarrier_key(bars, index):
+    return np.asarray(bars).__array_interface__["data"][0], int(index)
+
+
+def mbarrier_init(bars, index, count):
+    """``mbarrier_init(bars, i, count)``: make ``bars[i]`` (shared int64) a barrier of ``count`` arrivals per phase.
+
+    Emits ``mbarrier.init.shared::cta.b64``; one thread initialises, and a block barrier must follow.
+    """
+    _mbarriers()[_mbarrier_key(bars, index)] = _Mbarrier(int(count))
+
+
+def mbarrier_arrive(bars, index):
+    """``mbarrier_arrive(bars, i)``: this thread arrives at ``bars[i]`` (``mbarrier.arrive.shared::cta.b64``, release)."""
+    _mbarriers()[_mbarrier_key(bars, index)].arrive()
+
+
+def cp_async_mbarrier_arrive(bars, index):
+    """``cp_async_mbarrier_arrive(bars, i)``: arrive at ``bars[i]`` once this thread's earlier ``cp_async_16`` copies land.
+
+    Emits ``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: the arrival is one of the barrier's ``count``.
+    """
+    mbarrier_arrive(bars, index)
+
+
+def mbarrier_try_wait(bars, index, parity):
+    """``mbarrier_try_wait(bars, i, parity) -> bool``: whether the phase of ``bars[i]`` with this parity has completed.
+
+    Emits ``mbarrier.try_wait.parity.shared::cta.b64`` (acquire), which may
+    suspend the thread for a while before answering; call it in a loop.
+    """
+    barrier = _mbarriers()[_mbarrier_key(bars, index)]
+    with barrier.changed:
+        return barrier.changed.wait_for(lambda: barrier.phases % 2 != parity, timeout=0.05)
+
+
+def _mbarrier_lowering(text, constraints, result, with_value):
+    if with_value:
+
+        @intrinsic
+        def lowering(typingctx, bars, index, value):
+            def codegen(context, builder, sig, args):
+                address = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
+                value = context.cast(builder, args[2], sig.args[2], types.uint32)
+                out = _asm(builder, text, constraints, result, [address, value], side_effect=True)
+                return out if result is _i32 else context.get_dummy_value()
+
+            return_type = types.uint32 if result is _i32 else types.none
+            return return_type(bars, index, value), codegen
+
+    else:
+
+        @intrinsic
+        def lowering(typingctx, bars, index):
+            def codegen(context, builder, sig, args):
+                address = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
+                _asm(builder, text, constraints, result, [address], side_effect=True)
+                return context.get_dummy_value()
+
+            return types.none(bars, index), codegen
+
+    return lowering
+
+
+_bind(mbarrier_init, _mbarrier_lowering("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", ir.VoidType(), True))
+_bind(
+    mbarrier_arrive,
+    _mbarrier_lowering("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }", "r,~{memory}", ir.VoidType(), False),
+)
+_bind(
+    cp_async_mbarrier_arrive,
+    _mbarrier_lowering("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r,~{memory}", ir.VoidType(), False),
+)
+_try_wait = _mbarrier_lowering(
+    "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; selp.u32 $0, 1, 0, done; }",
+    "=r,r,r,~{memory}",
+    _i32,
+    True,
+)
+
+
+@overload(mbarrier_try_wait, target="cuda")
+def _mbarrier_try_wait_gpu(bars, index, parity):
+    def impl(bars, index, parity):
+        return _try_wait(bars, index, parity) != 0
+
+    return impl
+
+
+# --------------------------------------------------------------------------
+# Named barriers
+# --------------------------------------------------------------------------
+# Barrier ``id`` (1–15; 0 is the block-wide barrier of syncthreads) completes
+# when ``count`` threads (a multiple of 32) have reached it, whether they wait
+# (``barrier_sync``) or only signal (``barrier_arrive``).
+
+
+class _NamedBarrier:
+    def __init__(self):
+        self.arrived = 0
+        self.generation = 0
+        self.changed = threading.Condition()
+
+    def arrive(self, count, wait):
+        with self.changed:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == count:
+                self.arrived = 0
+                self.generation += 1
+                self.changed.notify_all()
+            elif wait:
+                self.changed.wait_for(lambda: self.generation != generation)
+
+
+def _named_barrier(barrier_id):
+    manager = threading.current_thread()._manager
+    with _exchange_lock:
+        return manager.__dict__.setdefault("_numattn_named_barriers", {}).setdefault(int(barrier_id), _NamedBarrier())
+
+
+def barrier_sync(barrier_id, count):
+    """``barrier_sync(id, count)``: wait at named barrier ``id`` until ``count`` threads have reached it (``bar.sync``)."""
+    _named_barrier(barrier_id).arrive(int(count), wait=True)
+
+
+def barrier_arrive(barrier_id, count):
+    """``barrier_arrive(id, count)``: reach named barrier ``id`` without waiting (``bar.arrive``)."""
+    _named_barrier(barrier_id).arrive(int(count), wait=False)
+
+
+def _named_barrier_lowering(instruction):
+    @intrinsic
+    def lowering(typingctx, barrier_id, count):
+        def codegen(context, builder, sig, args):
+            operands = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+            _asm(builder, f"{instruction} $0, $1;", "r,r,~{memory}", ir.VoidType(), operands, side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(barrier_id, count), codegen
+
+    return lowering
+
+
+_bind(barrier_sync, _named_barrier_lowering("bar.sync"))
+_bind(barrier_arrive, _named_barrier_lowering("bar.arrive"))

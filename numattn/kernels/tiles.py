@@ -2,6 +2,8 @@
 
 * ``tile_view`` carves a 2-D tile with compile-time shape out of the dynamic
   shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
+* ``sw128_cell`` places an element of a tile stored in wgmma's 128-byte
+  swizzled layout (see ``ptx.py``) in a 64-column view of shared memory.
 * ``query_block`` maps a thread block to its (batch, head, query rows).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
@@ -67,6 +69,17 @@ def _tile_view_gpu(buf, offset, rows, cols):
         return _tile_view(buf, offset, ROWS, COLS)
 
     return impl
+
+
+@cuda.jit(device=True, inline="always")
+def sw128_cell(tile_row0, rows, r, c):
+    """``(row, col)`` of element ``(r, c)`` (``c`` a multiple of 8) of a swizzled tile in a 64-column view.
+
+    The tile has ``rows`` rows and starts at row ``tile_row0`` of the view; its
+    64-column panels follow one another, and within a panel the 16-byte chunk
+    ``c // 8 % 8`` of row ``r`` sits at chunk position ``(c // 8 % 8) ^ (r % 8)``.
+    """
+    return tile_row0 + (c // 64) * rows + r, (((c % 64) // 8) ^ (r % 8)) * 8
 
 
 @cuda.jit(device=True)

@@ -23,7 +23,8 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda
 from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_supported
-from ..kernels.attention_simt import choose_simt_config, simt_attention_kernel
+from ..kernels.attention_simt import SimtConfig, choose_simt_config, simt_attention_kernel
+from ..kernels.attention_wgmma import WgmmaConfig, choose_wgmma_config, wgmma_attention_kernel, wgmma_supported
 from ..kernels.launch import compiled, device_limits, flatten_array
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -145,24 +146,44 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
     return problem
 
 
+_KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, WgmmaConfig: wgmma_attention_kernel}
+
+
+def _fitting_kernels(p, limits):
+    """The tile-configuration classes whose kernels can compute problem ``p`` on this device."""
+    if not (mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0)):
+        return (SimtConfig,)
+    if wgmma_supported(p.dtype, p.head_dim, p.head_dim_v, limits["cc"]):
+        return (WgmmaConfig, MmaConfig)
+    return (MmaConfig,)
+
+
+def _default_config(p, limits):
+    """The heuristic's tile configuration, of the first fitting kernel (in the simulator the
+    mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
+    kinds = _fitting_kernels(p, limits)
+    if kinds[0] is WgmmaConfig and not SIMULATOR:
+        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"])
+    if MmaConfig in kinds:
+        return choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+    return choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+
+
 def _attention_kernel(p, device, config=None):
     """``(dispatcher, grid, threads, shared_bytes, label)`` of the kernel that computes problem ``p``.
 
-    The tensor-core kernel where it applies (fp16/bf16, head dims multiples of
-    16, rows fit for 16-byte copies, sm_80+), the SIMT kernel otherwise; tile
-    configuration ``config`` (an ``MmaConfig`` or ``SimtConfig``) or a heuristic's.
+    The wgmma kernel on sm_90 where it applies (fp16/bf16, head dims multiples
+    of 64), the mma.sync kernel on other tensor-core GPUs or head dims multiples
+    of 16, the SIMT kernel otherwise (fp32, other head dims, rows unfit for
+    16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
+    ``MmaConfig`` or ``SimtConfig``) or the heuristic's.
     """
     limits = device_limits(device)
     args = (p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
-    tensor_cores = mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0)
-    if config is not None and isinstance(config, MmaConfig) != tensor_cores:
+    config = config or _default_config(p, limits)
+    if type(config) not in _fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
-    if tensor_cores:
-        config = config or choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
-        dispatcher = mma_attention_kernel(config, *args)
-    else:
-        config = config or choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
-        dispatcher = simt_attention_kernel(config, *args)
+    dispatcher = _KERNELS[type(config)](config, *args)
     grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
     if grid > _MAX_GRID:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")

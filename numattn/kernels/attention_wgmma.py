@@ -1,0 +1,308 @@
+"""Fused attention forward on Hopper's warpgroup tensor cores (``wgmma``, sm_90 only).
+
+A block of ``warpgroups`` warpgroups owns ``64 · warpgroups`` query rows of one
+(batch, query head); each warpgroup 64 of them, each warp 16. K/V tiles of
+``BLOCK_N`` keys stream through a ring of ``stages`` shared-memory buffers in
+the 128-byte swizzled layout that wgmma reads directly (``ptx.py``); every
+thread copies its share of a tile with ``cp.async``, and shared-memory
+barriers (mbarriers) track when a buffer is full (all copies landed) and
+empty (every warpgroup is done with it), so no block-wide barrier ties the
+warpgroups together inside the loop.
+
+Per key tile j a warpgroup issues ``O += P(j-1) V(j-1)`` (P from registers: an
+accumulator pair is an A fragment; V an MN-major operand) and ``S = Q Kⱼᵀ``
+(both operands in shared memory, one m64nBLOCK_Nk16 instruction per 16 columns
+of the head dim), waits for both, frees buffer j - 1, runs the online softmax
+of the mma.sync kernel on S (``online_softmax.py``, one m16 tile per warp:
+wgmma's accumulator layout is mma.sync's, per warp), and starts copying tile
+j + stages - 1. The warpgroups take turns on the tensor cores (a ring of named
+barriers orders their issues), so that one's softmax overlaps the others'
+products, FlashAttention-3's ping-pong schedule.
+
+Head dims must be multiples of 64 (whole swizzle panels), inputs 16-bit with
+contiguous, 16-byte aligned rows.
+"""
+
+import functools
+from dataclasses import dataclass
+
+from numba import float32, int64, uint16, uint32
+
+from .._cuda import SIMULATOR, cuda
+from .online_softmax import softmax_steps
+from .ptx import (
+    SW128_ALIGN,
+    aligned_start,
+    barrier_arrive,
+    barrier_sync,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_mbarrier_arrive,
+    cp_async_wait_group,
+    fence_proxy_async,
+    fence_registers,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_try_wait,
+    pack_bf16x2,
+    pack_f16x2,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_rs_bf16,
+    wgmma_rs_f16,
+    wgmma_ss_bf16,
+    wgmma_ss_f16,
+    wgmma_wait,
+)
+from .tiles import query_block, sw128_cell, tile_view
+
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Tile configuration of the wgmma kernel.
+
+    ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
+    keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers.
+    """
+
+    block_n: int = 128
+    warpgroups: int = 2
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3 or not 2 <= self.stages <= 4:
+            raise ValueError(f"inconsistent wgmma tile configuration {self}")
+
+    @property
+    def block_m(self):
+        return 64 * self.warpgroups
+
+    @property
+    def num_threads(self):
+        return 128 * self.warpgroups
+
+    @property
+    def max_registers(self):
+        """Registers per thread that let one block fit: each of an SM's four schedulers holds 16K."""
+        warps_per_scheduler = -(-self.num_threads // 128)
+        return min(255, 16384 // (32 * warps_per_scheduler) // 8 * 8)
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
+        return 2 * (self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
+
+
+def wgmma_supported(dtype, head_dim, head_dim_v, cc):
+    """Whether the wgmma kernel takes this dtype and these head dims on a GPU of compute capability ``cc``."""
+    return (
+        cc == (9, 0)
+        and dtype in ("float16", "bfloat16")
+        and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
+    )
+
+
+# Per widest head dim, candidates in order of preference; the first that fits
+# the device's shared memory is used. Measured on an H200 (docs/benchmarks.md).
+_CANDIDATES = {
+    64: (WgmmaConfig(128, 2, 4), WgmmaConfig(64, 2, 3)),
+    128: (WgmmaConfig(128, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(64, 2, 3)),
+    192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
+    256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
+}
+
+
+def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
+    candidates = _CANDIDATES[max(head_dim, head_dim_v)]
+    for config in candidates:
+        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return candidates[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse):
+    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
+
+    16-bit arrays only (``uint16`` bit patterns). Launch with
+    ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
+    ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
+    """
+    BLOCK_M, BLOCK_N, STAGES = config.block_m, config.block_n, config.stages
+    GROUPS, NUM_THREADS = config.warpgroups, config.num_threads
+    D, DV = head_dim, head_dim_v
+    KSTEPS, PSTEPS = D // 16, BLOCK_N // 16  # k-steps of S = Q Kᵀ and of O += P V
+    NTILES, DTILES = BLOCK_N // 8, DV // 8  # n8 accumulator tiles of S and of O
+    S_REGS, O_REGS = BLOCK_N // 2, DV // 2  # accumulator registers per thread
+    # shared memory as 128-byte rows of a 64-column view: Q, then STAGES K tiles, then STAGES V tiles
+    K_ROW0 = BLOCK_M * D // 64
+    K_ROWS = BLOCK_N * D // 64
+    V_ROW0 = K_ROW0 + STAGES * K_ROWS
+    V_ROWS = BLOCK_N * DV // 64
+    VIEW_ROWS = V_ROW0 + STAGES * V_ROWS
+    V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a V tile
+    # mbarriers: FULL + s (stage s loaded), EMPTY + s (stage s read by every thread), Q_FULL
+    FULL, EMPTY, Q_FULL = 0, STAGES, 2 * STAGES
+    BARRIERS = 2 * STAGES + 1
+    TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
+    CAUSAL, WRITE_LSE = causal, write_lse
+    bf16 = dtype == "bfloat16"
+    wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    pack = pack_bf16x2 if bf16 else pack_f16x2
+    init, scale_and_mask, update, rescale, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile_async(view, tile_row0, rows, src, b, h, row0, nrows, ncols):
+        """This thread's copies of ``src[b, h, row0 + r, :ncols]`` into swizzled tile row ``r``; rows past ``nrows`` read 0.
+
+        Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
+        (a constant trip count when ``chunks`` divides the thread count), chunk by chunk otherwise.
+        """
+        chunks = ncols // 8
+        if NUM_THREADS % chunks == 0:
+            step = NUM_THREADS // chunks
+            first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
+            for n in range((rows + step - 1) // step):
+                r = first + n * step
+                if rows % step == 0 or r < rows:
+                    view_row, view_col = sw128_cell(tile_row0, rows, r, c)
+                    valid = row0 + r < nrows
+                    cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+        else:
+            for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
+                r = i // chunks
+                c = (i - r * chunks) * 8
+                view_row, view_col = sw128_cell(tile_row0, rows, r, c)
+                valid = row0 + r < nrows
+                cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+
+    @cuda.jit(device=True, inline="always")
+    def load_kv_async(view, bars, k, v, b, h_kv, j):
+        """Start this thread's copies of key tile ``j`` into its stage; the stage's FULL barrier counts them in."""
+        stage = j % STAGES
+        load_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, b, h_kv, j * BLOCK_N, k.shape[2], D)
+        load_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, b, h_kv, j * BLOCK_N, k.shape[2], DV)
+        cp_async_mbarrier_arrive(bars, FULL + stage)
+
+    @cuda.jit(device=True, inline="always")
+    def wait_phase(bars, barrier, use):
+        """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
+        while not mbarrier_try_wait(bars, barrier, use % 2):
+            pass
+
+    @cuda.jit(device=True, inline="always")
+    def issue_scores(s, smem, start, j, group_row0):
+        """Start ``S = Q Kⱼᵀ``: k-step ks reads 16 columns of panel ks // 4 of the Q and K tiles."""
+        k_tile = start + 64 * (K_ROW0 + (j % STAGES) * K_ROWS)
+        wgmma_fence()
+        for ks in range(KSTEPS):
+            a_offset = start + 64 * ((ks // 4) * BLOCK_M + group_row0) + 16 * (ks % 4)
+            b_offset = k_tile + 64 * (ks // 4) * BLOCK_N + 16 * (ks % 4)
+            wgmma_ss(s, BLOCK_N, smem, a_offset, b_offset, 0, False, ks > 0)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_pv(acc, p_frag, smem, start, j):
+        """Start ``O += P Vⱼ``: k-step kk multiplies P's A fragment kk by keys 16kk .. 16kk + 16 of the V tile."""
+        v_tile = start + 64 * (V_ROW0 + (j % STAGES) * V_ROWS)
+        fence_registers(acc, O_REGS)
+        wgmma_fence()
+        for kk in range(PSTEPS):
+            wgmma_rs(acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
+                     smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def pack_p(p_frag, s):
+        """P as A fragments: the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
+        for kk in range(PSTEPS):
+            n = 2 * kk
+            p_frag[kk, 0] = pack(s[0, n, 0], s[0, n, 1])
+            p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
+            p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
+            p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
+
+    def kernel(q, k, v, o, lse, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(BARRIERS, int64)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, VIEW_ROWS, 64)
+        seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
+        diagonal = seqlen_kv - seqlen_q
+        b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
+        n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        group = warp // 4
+        group_row0 = 64 * group  # the warpgroup's first row within the block
+        row0 = m0 + 16 * warp  # the warp's first query row
+
+        if cuda.threadIdx.x == 0:
+            for stage in range(STAGES):
+                mbarrier_init(bars, FULL + stage, NUM_THREADS)
+                mbarrier_init(bars, EMPTY + stage, NUM_THREADS)
+            mbarrier_init(bars, Q_FULL, NUM_THREADS)
+        cuda.syncthreads()
+        if n_blocks > 0:
+            load_tile_async(view, 0, BLOCK_M, q, b, h, m0, seqlen_q, D)
+            cp_async_mbarrier_arrive(bars, Q_FULL)
+            for j in range(STAGES - 1):  # the first tiles
+                if j < n_blocks:
+                    load_kv_async(view, bars, k, v, b, h_kv, j)
+            if GROUPS > 1 and group == GROUPS - 1:
+                barrier_arrive(TURN, 256)  # the first warpgroup goes first
+
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        row_max = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((1, DTILES, 4), float32)
+        s = cuda.local.array((1, NTILES, 4), float32)
+        p_frag = cuda.local.array((PSTEPS, 4), uint32)
+        init(m_i, l_i, acc)
+
+        if n_blocks > 0:
+            wait_phase(bars, Q_FULL, 0)
+        for j in range(n_blocks):
+            wait_phase(bars, FULL + j % STAGES, j // STAGES)
+            fence_proxy_async()  # copies made visible to this thread become visible to wgmma
+            if GROUPS > 1:
+                barrier_sync(TURN + group, 256)  # this warpgroup's turn on the tensor cores
+            if j > 0:
+                issue_pv(acc, p_frag, smem, start, j - 1)
+            issue_scores(s, smem, start, j, group_row0)
+            if GROUPS > 1:
+                barrier_arrive(TURN + (group + 1) % GROUPS, 256)
+            wgmma_wait(0)
+            fence_registers(s, S_REGS)
+            fence_registers(acc, O_REGS)
+            if j > 0:
+                mbarrier_arrive(bars, EMPTY + (j - 1) % STAGES)
+
+            n0 = j * BLOCK_N
+            masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
+            scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t)
+            if update(s, m_i, l_i, row_max, alpha):
+                rescale(acc, alpha)
+            pack_p(p_frag, s)
+
+            ahead = j + STAGES - 1  # into the stage of tile j - 1, once every warpgroup is done with it
+            if ahead < n_blocks:
+                if j > 0:
+                    wait_phase(bars, EMPTY + (j - 1) % STAGES, (j - 1) // STAGES)
+                load_kv_async(view, bars, k, v, b, h_kv, ahead)
+        if n_blocks > 0:
+            if GROUPS > 1:
+                barrier_sync(TURN + group, 256)
+            issue_pv(acc, p_frag, smem, start, n_blocks - 1)
+            if GROUPS > 1:
+                barrier_arrive(TURN + (group + 1) % GROUPS, 256)
+            wgmma_wait(0)
+            fence_registers(acc, O_REGS)
+
+        store(o, lse, WRITE_LSE, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+
+    if SIMULATOR:  # the simulator's jit takes no register limit
+        return cuda.jit(kernel)
+    return cuda.jit(kernel, max_registers=config.max_registers)

@@ -1,0 +1,133 @@
+"""The online-softmax steps shared by the tensor-core attention kernels.
+
+Both tensor-core kernels hold a warp's scores in accumulator fragments:
+``s[mt, nt, e]`` is entry ``e`` of n8 tile ``nt`` of the warp's m16 tile ``mt``,
+at row ``16·mt + g + 8·(e // 2)`` and column ``8·nt + 2t + e % 2`` of the warp's
+block (``g = lane // 4``, ``t = lane % 4``); the output accumulator
+``acc[mt, dt, e]`` is laid out alike. So each lane carries two rows per m16
+tile, and its row statistics ``m_i``, ``l_i`` (and rescaling factors ``alpha``) have ``2 · warp_m`` entries
+(row ``r = 2·mt + half`` holds entries ``2·half`` and ``2·half + 1``).
+"""
+
+import functools
+import math
+
+import numpy as np
+
+from .._cuda import cuda
+from .ptx import ballot, ex2_approx, shfl_xor_f32
+from .tiles import NARROW
+
+_LN2 = np.float32(math.log(2.0))
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move
+
+
+@functools.lru_cache(maxsize=None)
+def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
+    """Device functions ``(init, scale_and_mask, update, rescale, store)`` for one tile shape.
+
+    ``warp_m`` m16 tiles per warp, ``ntiles`` n8 score tiles per key tile,
+    ``dtiles`` n8 output tiles, ``dtype`` the output element type.
+    """
+    WARP_M, NTILES, DTILES, CAUSAL = warp_m, ntiles, dtiles, causal
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, inline="always")
+    def init(m_i, l_i, acc):
+        """No key seen yet: m = -inf, l = 0, acc = 0."""
+        for r in range(2 * WARP_M):
+            m_i[r] = _NEG_INF
+            l_i[r] = _ZERO
+        for mt in range(WARP_M):
+            for dt in range(DTILES):
+                for e in range(4):
+                    acc[mt, dt, e] = _ZERO
+
+    @cuda.jit(device=True, inline="always")
+    def scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t):
+        """Scores into the log2 domain; when ``masked``, keys past the end or the causal diagonal get -inf.
+
+        ``row0`` is the query row of the warp's first row, ``n0`` the key of the tile's first column.
+        """
+        for mt in range(WARP_M):
+            for nt in range(NTILES):
+                for e in range(4):
+                    s[mt, nt, e] *= scale_log2
+                    if masked:
+                        row = row0 + 16 * mt + g + 8 * (e // 2)
+                        col = n0 + 8 * nt + 2 * t + e % 2
+                        if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
+                            s[mt, nt, e] = _NEG_INF
+
+    @cuda.jit(device=True, inline="always")
+    def update(s, m_i, l_i, row_max, alpha):
+        """Fold a key tile's scores into the running softmax; ``s`` becomes P (unnormalised).
+
+        Returns whether the output accumulator must be rescaled by ``alpha``
+        (one factor per lane row) before this tile's ``P V`` is added.
+        Lazy rescaling: the reference max ``m_i`` moves only when a row's max
+        exceeds it by more than ``RESCALE`` (P then stays below 2**RESCALE), and
+        the warp decides together, so most key tiles skip rescaling.
+        """
+        grow = False
+        for mt in range(WARP_M):
+            for half in range(2):
+                r = 2 * mt + half
+                m_tile = _NEG_INF
+                for nt in range(NTILES):
+                    m_tile = max(m_tile, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
+                m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
+                m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
+                row_max[r] = m_tile
+                grow = grow or m_tile > m_i[r] + RESCALE
+        rescale = ballot(grow) != 0
+        if rescale:
+            for r in range(2 * WARP_M):
+                m_new = max(m_i[r], row_max[r])
+                # a row with no visible key yet keeps m = -inf; exp2 against 0 then gives 0
+                alpha[r] = ex2_approx(m_i[r] - (m_new if m_new != _NEG_INF else _ZERO))
+                m_i[r] = m_new
+                l_i[r] *= alpha[r]
+        for mt in range(WARP_M):
+            for half in range(2):
+                r = 2 * mt + half
+                m_ref = m_i[r] if m_i[r] != _NEG_INF else _ZERO
+                for nt in range(NTILES):
+                    p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
+                    p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)
+                    l_i[r] += p0 + p1
+                    s[mt, nt, 2 * half] = p0
+                    s[mt, nt, 2 * half + 1] = p1
+        return rescale
+
+    @cuda.jit(device=True, inline="always")
+    def rescale(acc, alpha):
+        """Scale each row of the output accumulator by its ``alpha``."""
+        for mt in range(WARP_M):
+            for dt in range(DTILES):
+                for e in range(4):
+                    acc[mt, dt, e] *= alpha[2 * mt + e // 2]
+
+    @cuda.jit(device=True, inline="always")
+    def store(o, lse, write_lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t):
+        """Full row sums across the four lanes of a group, then ``O = acc / l`` (and the LSE) for rows below ``seqlen_q``."""
+        for mt in range(WARP_M):
+            for half in range(2):
+                r = 2 * mt + half
+                l_sum = l_i[r]
+                l_sum += shfl_xor_f32(l_sum, 1)
+                l_sum += shfl_xor_f32(l_sum, 2)
+                row = row0 + 16 * mt + g + 8 * half
+                if row < seqlen_q:
+                    inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                    for dt in range(DTILES):
+                        col = 8 * dt + 2 * t
+                        o[b, h, row, col] = narrow(acc[mt, dt, 2 * half] * inv_l)
+                        o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1] * inv_l)
+                    if write_lse and t == 0:
+                        lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+
+    return init, scale_and_mask, update, rescale, store
