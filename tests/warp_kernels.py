@@ -17,10 +17,10 @@ from numattn.kernels.ptx import (
     fence_registers,
     ldmatrix_x4,
     ldmatrix_x4_trans,
-    mma_m16n8k16_bf16,
-    mma_m16n8k16_f16,
     mbarrier_init,
     mbarrier_try_wait,
+    mma_m16n8k16_bf16,
+    mma_m16n8k16_f16,
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
@@ -110,6 +110,7 @@ SHARED_BYTES = 48 * ROW * 2
 
 
 WG_N, WG_D, WG_K = 64, 128, 32  # wgmma test: S = A Bᵀ is 64×64 over 128, O = A[:, :32] · V is 64×64 over 32
+WG_TILES, WG_REGS = 8, 32  # n8 accumulator tiles of a 64-wide product, and its registers per thread
 
 
 def make_wgmma_kernel(bf16):
@@ -153,8 +154,8 @@ def make_wgmma_kernel(bf16):
 
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        s = cuda.local.array((WG_N // 8, 4), float32)
-        o = cuda.local.array((WG_N // 8, 4), float32)
+        s = cuda.local.array((WG_TILES, 4), float32)
+        o = cuda.local.array((WG_TILES, 4), float32)
         wgmma_fence()
         for ks in range(WG_D // 16):
             panel, col = ks // 4, 16 * (ks % 4)
@@ -171,9 +172,9 @@ def make_wgmma_kernel(bf16):
             wgmma_rs(o, WG_N, a0, a1, a2, a3, smem, start + 64 * (V_ROW0 + 16 * ks), 64 * WG_K, True, ks > 0)
         wgmma_commit()
         wgmma_wait(0)
-        fence_registers(s, WG_N // 2)
-        fence_registers(o, WG_N // 2)
-        for j in range(WG_N // 8):
+        fence_registers(s, WG_REGS)
+        fence_registers(o, WG_REGS)
+        for j in range(WG_TILES):
             for e in range(4):
                 s_out[r + 8 * (e // 2), 8 * j + 2 * t + e % 2] = s[j, e]
                 o_out[r + 8 * (e // 2), 8 * j + 2 * t + e % 2] = o[j, e]

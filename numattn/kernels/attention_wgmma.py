@@ -102,10 +102,10 @@ def wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 
 # Per widest head dim, candidates in order of preference; the first that fits
-# the device's shared memory is used. Measured on an H200 (docs/benchmarks.md).
+# the device's shared memory is used. Measured on an H100 (docs/benchmarks.md).
 _CANDIDATES = {
-    64: (WgmmaConfig(128, 2, 4), WgmmaConfig(64, 2, 3)),
-    128: (WgmmaConfig(128, 2, 3), WgmmaConfig(64, 2, 4), WgmmaConfig(64, 2, 3)),
+    64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
+    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
     192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
     256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
 }

@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from numba import float32
+
 from .._cuda import cuda
 from .ptx import ballot, ex2_approx, shfl_xor_f32
 from .tiles import NARROW
@@ -33,6 +35,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
     ``dtiles`` n8 output tiles, ``dtype`` the output element type.
     """
     WARP_M, NTILES, DTILES, CAUSAL = warp_m, ntiles, dtiles, causal
+    CHAINS = min(4, ntiles)  # partial maxima and sums per row
     narrow = NARROW[dtype]
 
     @cuda.jit(device=True, inline="always")
@@ -73,12 +76,17 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
         the warp decides together, so most key tiles skip rescaling.
         """
         grow = False
+        partial = cuda.local.array(CHAINS, float32)  # independent chains keep the reductions short
         for mt in range(WARP_M):
             for half in range(2):
                 r = 2 * mt + half
-                m_tile = _NEG_INF
+                for c in range(CHAINS):
+                    partial[c] = _NEG_INF
                 for nt in range(NTILES):
-                    m_tile = max(m_tile, max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
+                    partial[nt % CHAINS] = max(partial[nt % CHAINS], max(s[mt, nt, 2 * half], s[mt, nt, 2 * half + 1]))
+                m_tile = partial[0]
+                for c in range(1, CHAINS):
+                    m_tile = max(m_tile, partial[c])
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
                 row_max[r] = m_tile
@@ -95,12 +103,16 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
             for half in range(2):
                 r = 2 * mt + half
                 m_ref = m_i[r] if m_i[r] != _NEG_INF else _ZERO
+                for c in range(CHAINS):
+                    partial[c] = _ZERO
                 for nt in range(NTILES):
                     p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
                     p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)
-                    l_i[r] += p0 + p1
+                    partial[nt % CHAINS] += p0 + p1
                     s[mt, nt, 2 * half] = p0
                     s[mt, nt, 2 * half + 1] = p1
+                for c in range(CHAINS):
+                    l_i[r] += partial[c]
         return rescale
 
     @cuda.jit(device=True, inline="always")
