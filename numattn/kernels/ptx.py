@@ -619,10 +619,10 @@ def _cp_async_wait_group_gpu(pending):
 #   B, K-major (B[k, n] = T[n, k0 + k], T an N-row tile): panel start + k0 % 64
 #   B, MN-major (B[k, n] = T[k0 + k, n], T row-major): tile start + 64·k0, with
 #      its 64-column panels ``b_panel`` elements apart.
-# D is a float32 local array of shape (N/8, 4) laid out as mma.sync's
-# accumulator, per warp for its 16 rows: warp w of the group holds rows
-# 16w + group (entries 0, 1) and 16w + group + 8 (entries 2, 3) at columns
-# 8j + 2·tig and 8j + 2·tig + 1 of entry row j. An A operand in registers
+# D is a C-contiguous float32 local array of N/2 entries (of any shape; the
+# kernels use (N/8, 4) or (1, N/8, 4)), laid out as mma.sync's accumulator per
+# warp for its 16 rows: entry 4j + e of warp w of the group holds row
+# 16w + group (e = 0, 1) or 16w + group + 8 (e = 2, 3), column 8j + 2·tig + e % 2. An A operand in registers
 # (``wgmma_rs_*``) has mma.sync's A-fragment layout, per warp for its 16 rows.
 #
 # Order of use: fence_registers(D); wgmma_fence(); wgmma_* ...; wgmma_commit();
@@ -630,7 +630,6 @@ def _cp_async_wait_group_gpu(pending):
 # or cp.async must be published with fence_proxy_async() and a barrier first.
 # The twins compute at once, so the fences and waits are no-ops there.
 
-WARPGROUP = 128
 SW128_ALIGN = 1024  # bytes: alignment of a swizzled tile
 
 
@@ -725,7 +724,7 @@ def _make_wgmma(ptx_type, widen_bits):
 
     wgmma_ss.__doc__ = f"""``wgmma_ss_{ptx_type}(acc, N, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate)``.
 
-    ``acc`` (float32, (N/8, 4)) = A·B (+ ``acc`` when ``accumulate``), both
+    ``acc`` (float32, N/2 entries) = A·B (+ ``acc`` when ``accumulate``), both
     operands {ptx_type} in the SW128 shared buffer ``buf`` (1-D uint16) at the
     element offsets named above; ``N`` and ``b_mn_major`` are constants.
     Emits ``wgmma.mma_async.sync.aligned.m64nNk16.f32.{ptx_type}.{ptx_type}``.
