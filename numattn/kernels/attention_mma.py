@@ -33,7 +33,6 @@ from numba import float32, uint16, uint32
 from .._cuda import cuda
 from .online_softmax import softmax_steps
 from .ptx import (
-    cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
     ldmatrix_x4,
@@ -43,7 +42,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
 )
-from .tiles import query_block, tile_view
+from .tiles import query_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 PAD = 8  # elements added to every shared-memory row
@@ -144,29 +143,12 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, scale_and_mask, update, rescale, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
 
+    copy_tile = tile_copier(NUM_THREADS, row_major_cell)
+
     @cuda.jit(device=True)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
-        """Issue 16-byte copies of ``src[b, h, row0 + r, :ncols]`` into ``dst[r, :ncols]``; rows past ``nrows`` read 0.
-
-        Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
-        when ``chunks`` divides the thread count (the trip count and the per-copy
-        arithmetic are then compile-time constants), chunk by chunk otherwise.
-        """
-        rows, chunks = dst.shape[0], ncols // 8
-        if NUM_THREADS % chunks == 0:
-            step = NUM_THREADS // chunks
-            first, col = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
-            for n in range((rows + step - 1) // step):
-                r = first + n * step
-                if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
-                    valid = row0 + r < nrows
-                    cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
-        else:
-            for c in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
-                r = c // chunks
-                col = (c - r * chunks) * 8
-                valid = row0 + r < nrows
-                cp_async_16(dst, r, col, src, (b, h, row0 + r if valid else 0, col), 16 if valid else 0)
+        """Issue 16-byte copies of ``src[b, h, row0 + r, :ncols]`` into ``dst[r, :ncols]``; rows past ``nrows`` read 0."""
+        copy_tile(dst, 0, dst.shape[0], src, b, h, row0, nrows, ncols)
 
     @cuda.jit(device=True, inline="always")
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):

@@ -35,7 +35,6 @@ from .ptx import (
     aligned_start,
     barrier_arrive,
     barrier_sync,
-    cp_async_16,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
@@ -54,7 +53,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from .tiles import query_block, sw128_cell, tile_view
+from .tiles import query_block, sw128_cell, tile_copier, tile_view
 
 
 @dataclass(frozen=True)
@@ -151,30 +150,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     pack = pack_bf16x2 if bf16 else pack_f16x2
     init, scale_and_mask, update, rescale, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
 
-    @cuda.jit(device=True, inline="always")
-    def load_tile_async(view, tile_row0, rows, src, b, h, row0, nrows, ncols):
-        """This thread's copies of ``src[b, h, row0 + r, :ncols]`` into swizzled tile row ``r``; rows past ``nrows`` read 0.
-
-        Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
-        (a constant trip count when ``chunks`` divides the thread count), chunk by chunk otherwise.
-        """
-        chunks = ncols // 8
-        if NUM_THREADS % chunks == 0:
-            step = NUM_THREADS // chunks
-            first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
-            for n in range((rows + step - 1) // step):
-                r = first + n * step
-                if rows % step == 0 or r < rows:
-                    view_row, view_col = sw128_cell(tile_row0, rows, r, c)
-                    valid = row0 + r < nrows
-                    cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
-        else:
-            for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
-                r = i // chunks
-                c = (i - r * chunks) * 8
-                view_row, view_col = sw128_cell(tile_row0, rows, r, c)
-                valid = row0 + r < nrows
-                cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+    # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
+    load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
 
     @cuda.jit(device=True, inline="always")
     def load_kv_async(view, bars, k, v, b, h_kv, j):

@@ -83,6 +83,52 @@ def _ir_intrinsic(build, signature):
     return lowering
 
 
+def _literal_int(numba_type):
+    """The value of an integer or boolean literal type, None for any other type."""
+    return int(numba_type.literal_value) if isinstance(numba_type, types.Literal) else None
+
+
+def _statement_intrinsic(text):
+    """A no-argument intrinsic emitting one PTX statement, ordered with memory accesses."""
+
+    @intrinsic
+    def lowering(typingctx):
+        def codegen(context, builder, sig, args):
+            _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(), codegen
+
+    return lowering
+
+
+def _bind_wait_group(twin, mnemonic):
+    """Make ``twin(N)`` emit ``mnemonic N;`` on the GPU; ``N`` must be a compile-time constant."""
+
+    @intrinsic
+    def lowering(typingctx, pending):
+        if not isinstance(pending, types.IntegerLiteral):
+            return None
+        text = f"{mnemonic} {pending.literal_value};"
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(pending), codegen
+
+    @overload(twin, target="cuda", prefer_literal=True, inline="always")
+    def _gpu(pending):
+        PENDING = _literal_int(pending)
+        if PENDING is None:
+            return None
+
+        def impl(pending):
+            return lowering(PENDING)
+
+        return impl
+
+
 def _unpack_struct(context, builder, sig, value, count):
     """An inline-asm struct result as the numba tuple ``sig.return_type``."""
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(count)])
@@ -559,16 +605,7 @@ def cp_async_commit():
     """``cp_async_commit()``: close the group of ``cp_async_16`` copies issued so far (``cp.async.commit_group``)."""
 
 
-@intrinsic
-def _cp_async_commit(typingctx):
-    def codegen(context, builder, sig, args):
-        _asm(builder, "cp.async.commit_group;", "~{memory}", ir.VoidType(), [], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-_bind(cp_async_commit, _cp_async_commit)
+_bind(cp_async_commit, _statement_intrinsic("cp.async.commit_group;"))
 
 
 def cp_async_wait_group(pending):
@@ -579,29 +616,7 @@ def cp_async_wait_group(pending):
     """
 
 
-@intrinsic
-def _cp_async_wait_group(typingctx, pending):
-    if not isinstance(pending, types.IntegerLiteral):
-        return None
-    text = f"cp.async.wait_group {pending.literal_value};"
-
-    def codegen(context, builder, sig, args):
-        _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.none(pending), codegen
-
-
-@overload(cp_async_wait_group, target="cuda", prefer_literal=True, inline="always")
-def _cp_async_wait_group_gpu(pending):
-    if not isinstance(pending, types.IntegerLiteral):
-        return None
-    PENDING = pending.literal_value
-
-    def impl(pending):
-        return _cp_async_wait_group(PENDING)
-
-    return impl
+_bind_wait_group(cp_async_wait_group, "cp.async.wait_group")
 
 
 # --------------------------------------------------------------------------
@@ -663,11 +678,6 @@ def _store_d(acc, rows, tig, accumulate):
         for e in range(4):
             value = np.float32(rows[e // 2, 8 * j + 2 * tig + e % 2])
             flat[4 * j + e] = value + flat[4 * j + e] if accumulate else value
-
-
-def _literal_int(numba_type):
-    """The value of an integer or boolean literal type, None for any other type."""
-    return int(numba_type.literal_value) if isinstance(numba_type, types.Literal) else None
 
 
 def _wgmma_text(n, ptx_type, a_operand, count, tail):
@@ -805,20 +815,6 @@ wgmma_ss_f16, wgmma_rs_f16 = _make_wgmma("f16", _widen_f16_bits)
 wgmma_ss_bf16, wgmma_rs_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
 
 
-def _statement_intrinsic(text):
-    """A no-argument intrinsic emitting one PTX statement, ordered with memory accesses."""
-
-    @intrinsic
-    def lowering(typingctx):
-        def codegen(context, builder, sig, args):
-            _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
-            return context.get_dummy_value()
-
-        return types.none(), codegen
-
-    return lowering
-
-
 def wgmma_fence():
     """``wgmma_fence()``: order earlier register and shared-memory accesses before the next wgmma (``wgmma.fence``)."""
 
@@ -843,29 +839,7 @@ def wgmma_wait(pending):
     """``wgmma_wait(N)``: wait until at most ``N`` (a constant) committed wgmma groups are in flight."""
 
 
-@intrinsic
-def _wgmma_wait(typingctx, pending):
-    if not isinstance(pending, types.IntegerLiteral):
-        return None
-    text = f"wgmma.wait_group.sync.aligned {pending.literal_value};"
-
-    def codegen(context, builder, sig, args):
-        _asm(builder, text, "~{memory}", ir.VoidType(), [], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.none(pending), codegen
-
-
-@overload(wgmma_wait, target="cuda", prefer_literal=True, inline="always")
-def _wgmma_wait_gpu(pending):
-    PENDING = _literal_int(pending)
-    if PENDING is None:
-        return None
-
-    def impl(pending):
-        return _wgmma_wait(PENDING)
-
-    return impl
+_bind_wait_group(wgmma_wait, "wgmma.wait_group.sync.aligned")
 
 
 def fence_registers(acc, count):

@@ -2,12 +2,17 @@
 
 * ``tile_view`` carves a 2-D tile with compile-time shape out of the dynamic
   shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
+* ``tile_copier`` builds the loop in which a block's threads copy a tile of
+  rows from global to shared memory with 16-byte ``cp.async`` copies;
+  ``row_major_cell`` and ``sw128_cell`` say where each element lands.
 * ``sw128_cell`` places an element of a tile stored in wgmma's 128-byte
   swizzled layout (see ``ptx.py``) in a 64-column view of shared memory.
 * ``query_block`` maps a thread block to its (batch, head, query rows).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
 """
+
+import functools
 
 import numpy as np
 from llvmlite import ir
@@ -16,7 +21,7 @@ from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array, populate_array
 
 from .._cuda import cuda
-from .ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
+from .ptx import cp_async_16, cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
 
 # Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
 WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
@@ -69,6 +74,48 @@ def _tile_view_gpu(buf, offset, rows, cols):
         return _tile_view(buf, offset, ROWS, COLS)
 
     return impl
+
+
+@cuda.jit(device=True, inline="always")
+def row_major_cell(tile_row0, rows, r, c):
+    """``(row, col)`` of element ``(r, c)`` of a row-major tile that starts at row ``tile_row0`` of a view."""
+    return tile_row0 + r, c
+
+
+@functools.cache
+def tile_copier(num_threads, place):
+    """Device function ``copy(view, tile_row0, rows, src, b, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
+
+    The block's threads issue 16-byte ``cp.async`` copies of
+    ``src[b, h, row0 + r, :ncols]`` into tile row ``r`` (rows past ``nrows``
+    read 0), element ``(r, c)`` landing at ``view[place(tile_row0, rows, r, c)]``.
+    Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
+    when ``chunks`` divides the thread count (the trip count and the per-copy
+    arithmetic are then compile-time constants), chunk by chunk otherwise.
+    """
+    NUM_THREADS = num_threads
+
+    @cuda.jit(device=True, inline="always")
+    def copy(view, tile_row0, rows, src, b, h, row0, nrows, ncols):
+        chunks = ncols // 8
+        if NUM_THREADS % chunks == 0:
+            step = NUM_THREADS // chunks
+            first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
+            for n in range((rows + step - 1) // step):
+                r = first + n * step
+                if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
+                    view_row, view_col = place(tile_row0, rows, r, c)
+                    valid = row0 + r < nrows
+                    cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+        else:
+            for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
+                r = i // chunks
+                c = (i - r * chunks) * 8
+                view_row, view_col = place(tile_row0, rows, r, c)
+                valid = row0 + r < nrows
+                cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+
+    return copy
 
 
 @cuda.jit(device=True, inline="always")
