@@ -54,7 +54,7 @@ def main():
             ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
             results[f"mma-{dtype}-causal1-d{head_dim}"] = report(ptx)
             config = choose_wgmma_config(head_dim, head_dim, 227 * 1024)
-            kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True)
+            kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True, True)
             ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
             results[f"wgmma-{dtype}-causal1-d{head_dim}"] = report(ptx)
     json.dump(results, sys.stdout)

@@ -179,15 +179,24 @@ def test_tensor_core_configurations(rng, monkeypatch, config):
 )
 def test_wgmma_configurations(rng, monkeypatch, config):
     """The warpgroup (wgmma) kernel, which sm_90 GPUs run by default, in the simulator: GQA, causal,
-    lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups)."""
+    lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups);
+    the output staged through shared memory into a fresh array (16-byte stores) or into a misaligned
+    view (element stores), or, when head_dim_v > head_dim, stored from registers."""
+    import torch
+
     from numattn.kernels.attention_wgmma import WgmmaConfig
     from numattn.ops import attention as module
 
     monkeypatch.setattr(module, "_default_config", lambda *args: WgmmaConfig(**config))
     monkeypatch.setattr(module, "_PLANS", {})
-    for dtype, causal in (("float16", True), ("bfloat16", False)):
-        q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 70, 83, 64), dtype)
-        o, lse = numattn.attention(q, k, v, causal=causal, return_lse=True)
+    for dtype, causal, head_dim_v, misaligned_out in (
+        ("float16", True, 64, False), ("bfloat16", False, 64, True), ("bfloat16", True, 128, False)
+    ):
+        q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 70, 83, 64, head_dim_v), dtype)
+        out = None
+        if misaligned_out:  # rows 65 elements apart, starting 2 bytes into the buffer
+            out = torch.full((1, 2, 70, head_dim_v + 1), float("nan"), dtype=getattr(torch, dtype))[..., 1:]
+        o, lse = numattn.attention(q, k, v, causal=causal, return_lse=True, out=out)
         ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
         assert max_error(o, ref_o) <= ATOL[dtype]
         assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())

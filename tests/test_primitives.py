@@ -210,6 +210,26 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     assert np.all(votes == sum(1 << lane for lane in range(32) if x[lane, 0] > 0))
 
 
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_shared_word_stores_and_chunk_copies(rng, where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import staging_kernel
+
+    words = rng.integers(0, 1 << 32, size=(32, 2), dtype=np.uint32)
+    out = cuda.to_device(np.full((8, 32), 0xABCD, np.uint16))
+    staging_kernel[1, 32, 0, 8 * 16 * 2](cuda.to_device(words), out)
+    expected = np.full((8, 32), 0xABCD, np.uint16)
+    for lane in range(32):
+        for i in range(2):
+            col = 8 * i + 2 * (lane % 4)
+            expected[lane // 4, 16 + col] = words[lane, i] & 0xFFFF
+            expected[lane // 4, 17 + col] = words[lane, i] >> 16
+    expected[0, 16:] = 0xABCD  # row 0 is not copied
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_wgmma_swizzled_operands(rng, bf16, where):

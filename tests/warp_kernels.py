@@ -12,6 +12,7 @@ from numattn.kernels.ptx import (
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
+    copy_16_to_global,
     ex2_approx,
     fence_proxy_async,
     fence_registers,
@@ -24,6 +25,7 @@ from numattn.kernels.ptx import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    st_shared_b32,
     unpack_bf16x2,
     unpack_f16x2,
     wgmma_commit,
@@ -107,6 +109,21 @@ def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_fille
 
 
 SHARED_BYTES = 48 * ROW * 2
+
+
+@cuda.jit
+def staging_kernel(words, out):
+    """Lane l stores ``words[l, i]`` over columns ``8i + 2(l % 4)`` and the next of row ``l // 4`` of
+    an 8×16 shared tile (``st_shared_b32``); then rows 1 .. 7 go to ``out[1:, 16:]`` in 16-byte
+    chunks (``copy_16_to_global``)."""
+    smem = cuda.shared.array(0, uint16)
+    tile = tile_view(smem, 0, 8, 16)
+    lane = cuda.threadIdx.x
+    for i in range(2):
+        st_shared_b32(tile, lane // 4, 8 * i + 2 * (lane % 4), words[lane, i])
+    cuda.syncthreads()
+    if 2 <= lane < 16:
+        copy_16_to_global(out, (lane // 2, 16 + 8 * (lane % 2)), tile, lane // 2, 8 * (lane % 2))
 
 
 WG_N, WG_D, WG_K = 64, 128, 32  # wgmma test: S = A Bᵀ is 64×64 over 128, O = A[:, :32] · V is 64×64 over 32

@@ -141,7 +141,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     CAUSAL, WRITE_LSE = causal, write_lse
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
-    init, scale_and_mask, update, rescale, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
+    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
 
@@ -259,6 +259,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                         mma_into(acc, mt, 2 * dp + 1, a0, a1, a2, a3, b2, b3)
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
-        store(o, lse, WRITE_LSE, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, g, t)
+        normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
+        store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
 
     return cuda.jit(kernel)

@@ -38,6 +38,7 @@ from .ptx import (
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
+    copy_16_to_global,
     fence_proxy_async,
     fence_registers,
     mbarrier_arrive,
@@ -45,6 +46,7 @@ from .ptx import (
     mbarrier_try_wait,
     pack_bf16x2,
     pack_f16x2,
+    st_shared_b32,
     wgmma_commit,
     wgmma_fence,
     wgmma_rs_bf16,
@@ -120,8 +122,11 @@ def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse):
+def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
+
+    ``aligned_out``: rows of ``o`` are contiguous and 16-byte aligned, so the output is
+    written in 16-byte chunks.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
@@ -144,11 +149,15 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     FULL, EMPTY, Q_FULL = 0, STAGES, 2 * STAGES
     BARRIERS = 2 * STAGES + 1
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
+    STAGED = DV <= D  # the output tile goes out through the warpgroup's Q rows in shared memory
+    STAGED_BARRIER = TURN + GROUPS  # named barriers STAGED_BARRIER + w: warpgroup w's output tile is staged
+    OUT_CHUNKS = DV // 8  # 16-byte chunks per output row
+    ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
-    init, scale_and_mask, update, rescale, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
+    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
@@ -198,6 +207,26 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
             p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
             p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
+
+    @cuda.jit(device=True, inline="always")
+    def store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t):
+        """Write the warpgroup's output rows through its Q rows in shared memory (free once its last
+        ``P V`` is complete), so that each global store is a whole 16-byte chunk of a row."""
+        for dt in range(DTILES):
+            for half in range(2):
+                row, col = sw128_cell(0, BLOCK_M, 16 * warp + g + 8 * half, 8 * dt)
+                st_shared_b32(view, row, col + 2 * t, pack(acc[0, dt, 2 * half], acc[0, dt, 2 * half + 1]))
+        barrier_sync(STAGED_BARRIER + group, 128)
+        for i in range(cuda.threadIdx.x % 128, 64 * OUT_CHUNKS, 128):
+            r = 64 * group + i // OUT_CHUNKS
+            c = (i % OUT_CHUNKS) * 8
+            if m0 + r < seqlen_q:
+                row, col = sw128_cell(0, BLOCK_M, r, c)
+                if ALIGNED_OUT:
+                    copy_16_to_global(o, (b, h, m0 + r, c), view, row, col)
+                else:
+                    for e in range(8):
+                        o[b, h, m0 + r, c + e] = view[row, col + e]
 
     def kernel(q, k, v, o, lse, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -278,7 +307,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
 
-        store(o, lse, WRITE_LSE, acc, m_i, l_i, b, h, row0, seqlen_q, g, t)
+        normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, row0, seqlen_q, g, t)
+        if STAGED:
+            store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t)
+        else:
+            store(o, acc, b, h, row0, seqlen_q, g, t)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

@@ -29,7 +29,7 @@ RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must
 
 @functools.lru_cache(maxsize=None)
 def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
-    """Device functions ``(init, scale_and_mask, update, rescale, store)`` for one tile shape.
+    """Device functions ``(init, scale_and_mask, update, rescale, normalize, store)`` for one tile shape.
 
     ``warp_m`` m16 tiles per warp, ``ntiles`` n8 score tiles per key tile,
     ``dtiles`` n8 output tiles, ``dtype`` the output element type.
@@ -55,15 +55,21 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
 
         ``row0`` is the query row of the warp's first row, ``n0`` the key of the tile's first column.
         """
-        for mt in range(WARP_M):
-            for nt in range(NTILES):
-                for e in range(4):
-                    s[mt, nt, e] *= scale_log2
-                    if masked:
+        # Two separate passes: with the mask test inside the unmasked pass, the compiler
+        # turns it into predicated code that every key tile executes.
+        if masked:
+            for mt in range(WARP_M):
+                for nt in range(NTILES):
+                    for e in range(4):
                         row = row0 + 16 * mt + g + 8 * (e // 2)
                         col = n0 + 8 * nt + 2 * t + e % 2
-                        if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
-                            s[mt, nt, e] = _NEG_INF
+                        visible = col < seqlen_kv and not (CAUSAL and col > row + diagonal)
+                        s[mt, nt, e] = s[mt, nt, e] * scale_log2 if visible else _NEG_INF
+        else:
+            for mt in range(WARP_M):
+                for nt in range(NTILES):
+                    for e in range(4):
+                        s[mt, nt, e] *= scale_log2
 
     @cuda.jit(device=True, inline="always")
     def update(s, m_i, l_i, row_max, alpha):
@@ -124,22 +130,32 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
                     acc[mt, dt, e] *= alpha[2 * mt + e // 2]
 
     @cuda.jit(device=True, inline="always")
-    def store(o, lse, write_lse, acc, m_i, l_i, b, h, row0, seqlen_q, g, t):
-        """Full row sums across the four lanes of a group, then ``O = acc / l`` (and the LSE) for rows below ``seqlen_q``."""
+    def normalize(acc, m_i, l_i, lse, write_lse, b, h, row0, seqlen_q, g, t):
+        """Full row sums across the four lanes of a group, then ``acc /= l`` (and the LSE for rows below ``seqlen_q``)."""
         for mt in range(WARP_M):
             for half in range(2):
                 r = 2 * mt + half
                 l_sum = l_i[r]
                 l_sum += shfl_xor_f32(l_sum, 1)
                 l_sum += shfl_xor_f32(l_sum, 2)
+                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                for dt in range(DTILES):
+                    acc[mt, dt, 2 * half] *= inv_l
+                    acc[mt, dt, 2 * half + 1] *= inv_l
+                row = row0 + 16 * mt + g + 8 * half
+                if write_lse and t == 0 and row < seqlen_q:
+                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+
+    @cuda.jit(device=True, inline="always")
+    def store(o, acc, b, h, row0, seqlen_q, g, t):
+        """The normalized accumulator into ``o``, rows below ``seqlen_q``."""
+        for mt in range(WARP_M):
+            for half in range(2):
                 row = row0 + 16 * mt + g + 8 * half
                 if row < seqlen_q:
-                    inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
                     for dt in range(DTILES):
                         col = 8 * dt + 2 * t
-                        o[b, h, row, col] = narrow(acc[mt, dt, 2 * half] * inv_l)
-                        o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1] * inv_l)
-                    if write_lse and t == 0:
-                        lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+                        o[b, h, row, col] = narrow(acc[mt, dt, 2 * half])
+                        o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1])
 
-    return init, scale_and_mask, update, rescale, store
+    return init, scale_and_mask, update, rescale, normalize, store

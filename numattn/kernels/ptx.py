@@ -620,6 +620,79 @@ _bind_wait_group(cp_async_wait_group, "cp.async.wait_group")
 
 
 # --------------------------------------------------------------------------
+# Shared-memory stores and 16-byte shared-to-global copies (output epilogues)
+# --------------------------------------------------------------------------
+
+
+def st_shared_b32(dst, row, col, value):
+    """``st_shared_b32(dst, row, col, value)``: store the 32-bit ``value`` over ``dst[row, col : col + 2]``.
+
+    ``dst`` is a 2-D shared array of 16-bit elements, 4-byte aligned there;
+    ``value`` holds element ``col`` in its low half (as ``pack_*x2`` makes it).
+    """
+    dst[row, col] = value & 0xFFFF
+    dst[row, col + 1] = value >> 16
+
+
+@intrinsic
+def _st_shared_b32(typingctx, dst, row, col, value):
+    if not isinstance(dst, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        shared = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]), (args[2], sig.args[2]))
+        word = context.cast(builder, args[3], sig.args[3], types.uint32)
+        _asm(builder, "st.shared.b32 [$0], $1;", "r,r,~{memory}", ir.VoidType(), [shared, word], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(dst, row, col, value), codegen
+
+
+_bind(st_shared_b32, _st_shared_b32)
+
+
+def copy_16_to_global(dst, index, src, row, col):
+    """``copy_16_to_global(dst, index, src, row, col)``: copy 16 bytes from shared ``src[row, col]`` to global ``dst[index]``.
+
+    ``src`` is a 2-D shared array, ``dst`` a global array whose last axis is
+    contiguous, both 16-byte aligned at these elements; ``index`` a tuple of
+    ``dst.ndim`` ints. Emits ``ld.shared.v4.b32`` and ``st.global.v4.b32``.
+    """
+    for i in range(16 // src.itemsize):
+        dst[(*index[:-1], index[-1] + i)] = src[row, col + i]
+
+
+@intrinsic
+def _copy_16_to_global(typingctx, dst, index, src, row, col):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst_type, index_type, src_type, row_type, col_type = sig.args
+        shared = _shared_address(context, builder, src_type, args[2], (args[3], row_type), (args[4], col_type))
+        target = make_array(dst_type)(context, builder, args[0])
+        indices = [
+            context.cast(builder, v, t, types.intp)
+            for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)
+        ]
+        ptr = cgutils.get_item_pointer(context, builder, dst_type, target, indices)
+        _asm(
+            builder,
+            "{ .reg .b32 w<4>; ld.shared.v4.b32 {w0, w1, w2, w3}, [$0]; st.global.v4.b32 [$1], {w0, w1, w2, w3}; }",
+            "r,l,~{memory}",
+            ir.VoidType(),
+            [shared, builder.ptrtoint(ptr, _i64)],
+            side_effect=True,
+        )
+        return context.get_dummy_value()
+
+    return types.none(dst, index, src, row, col), codegen
+
+
+_bind(copy_16_to_global, _copy_16_to_global)
+
+
+# --------------------------------------------------------------------------
 # Warpgroup matrix multiply-accumulate (sm_90 wgmma)
 # --------------------------------------------------------------------------
 # A warpgroup (four consecutive, aligned warps: 128 threads) computes

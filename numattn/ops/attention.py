@@ -80,6 +80,15 @@ class Problem:
             for op in (self.q, self.k, self.v)
         )
 
+    @property
+    def aligned_out(self):
+        """Whether output rows can be stored 16 bytes at a time (always so for an output numattn allocates)."""
+        per_copy = 16 // storage_dtype(self.dtype).itemsize
+        out = self.out
+        return out is None or (
+            out.strides[-1] == 1 and all(s % per_copy == 0 for s in out.strides[:-1]) and out.ptr % 16 == 0
+        )
+
 
 def _validate(q, k, v, out, causal, scale, layout, return_lse):
     if layout not in _LAYOUT_AXES:
@@ -183,6 +192,8 @@ def _attention_kernel(p, device, config=None):
     config = config or _default_config(p, limits)
     if type(config) not in _fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
+    if type(config) is WgmmaConfig:
+        args += (p.aligned_out,)
     dispatcher = _KERNELS[type(config)](config, *args)
     grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
     if grid > _MAX_GRID:
@@ -346,7 +357,7 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
         k.__class__, k.dtype, k.shape, k.stride(), k.device,
         v.__class__, v.dtype, v.shape, v.stride(), v.device,
         (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
-        None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device),
+        None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
     )
 
