@@ -4,7 +4,10 @@ from . import _cuda  # noqa: F401  (first: picks GPU or simulator before numba.c
 from . import reference
 from ._cuda import SIMULATOR
 from .ops.attention import attention
+from .ops.decode import csr_page_table, decode, merge_states, paged_decode
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "reference", "SIMULATOR", "__version__"]
+__all__ = [
+    "attention", "decode", "paged_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "__version__",
+]

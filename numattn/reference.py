@@ -49,3 +49,50 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + np.where(visible, row_max, 0.0))[..., 0]
     return o, np.where(visible[..., 0], lse, -np.inf)
+
+
+def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
+    """``numattn.decode`` in float64: each sequence's new tokens against its first ``seqlens[b]`` keys."""
+    axes = _LAYOUT_AXES[layout]
+    q = to_float64(q)
+    squeezed = q.ndim == 3
+    q = q[:, :, None, :] if squeezed else q.transpose(axes)
+    k, v = (to_float64(x).transpose(axes) for x in (k_cache, v_cache))
+    lengths = [k.shape[2]] * k.shape[0] if seqlens is None else [int(n) for n in to_float64(seqlens)]
+    return _per_sequence(q, [k[b, :, :n] for b, n in enumerate(lengths)], [v[b, :, :n] for b, n in enumerate(lengths)],
+                         scale, return_lse, squeezed, axes)
+
+
+def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+    """``numattn.paged_decode`` in float64: gathers each sequence's keys from its pages."""
+    q = to_float64(q)
+    squeezed = q.ndim == 3
+    q = q[:, :, None, :] if squeezed else q
+    to_hnd = (0, 2, 1, 3) if kv_layout == "nhd" else (0, 1, 2, 3)
+    k, v = (to_float64(x).transpose(to_hnd) for x in (k_pages, v_pages))
+    table = np.asarray(to_float64(page_table), dtype=np.int64)
+    lengths = [int(n) for n in to_float64(seqlens)]
+    page_size = k.shape[2]
+    keys, values = [], []
+    for b, n in enumerate(lengths):
+        pages = table[b, : -(-n // page_size)]
+        keys.append(np.concatenate([k[p] for p in pages], axis=1)[:, :n] if n else k[0, :, :0])
+        values.append(np.concatenate([v[p] for p in pages], axis=1)[:, :n] if n else v[0, :, :0])
+    return _per_sequence(q, keys, values, scale, return_lse, squeezed, (0, 1, 2, 3))
+
+
+def _per_sequence(q, keys, values, scale, return_lse, squeezed, axes):
+    """Causal (bottom-right) attention of ``q[b]`` ``[Hq, Sq, D]`` over ``keys[b]`` ``[Hkv, n, D]``."""
+    batch, heads_q, seqlen_q = q.shape[:3]
+    head_dim_v = values[0].shape[-1]
+    o = np.zeros((batch, heads_q, seqlen_q, head_dim_v))
+    lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    for b in range(batch):
+        if keys[b].shape[1]:
+            o_b, lse_b = attention(q[b : b + 1], keys[b][None], values[b][None], causal=True, scale=scale,
+                                   return_lse=True)
+            o[b], lse[b] = o_b[0], lse_b[0]
+    o = o[:, :, 0] if squeezed else o.transpose(np.argsort(axes))
+    if not return_lse:
+        return o
+    return o, lse

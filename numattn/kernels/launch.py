@@ -105,7 +105,8 @@ class CompiledKernel:
 
 
 class PreparedLaunch:
-    """A kernel with its grid and packed arguments; each call rewrites the data pointers and launches.
+    """A kernel with its grid (an int or an ``(x, y, z)`` tuple) and packed arguments; each call
+    rewrites the data pointers and launches.
 
     ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
     ``np.float32`` values the low half of one. ``pointer_slots`` index the
@@ -127,8 +128,9 @@ class PreparedLaunch:
         self._params = self._addresses.ctypes.data
         self._pointer_slots = tuple(pointer_slots)
         self._lock = threading.Lock()  # the argument block is shared: fill and launch as one step
+        grid_x, grid_y, grid_z = (grid, 1, 1) if isinstance(grid, int) else grid
         self._launch = functools.partial(
-            _driver.cuLaunchKernel, kernel.function, grid, 1, 1, block, 1, 1, kernel.shared_bytes
+            _driver.cuLaunchKernel, kernel.function, grid_x, grid_y, grid_z, block, 1, 1, kernel.shared_bytes
         )
 
     def __call__(self, stream, *pointers):

@@ -620,6 +620,62 @@ _bind_wait_group(cp_async_wait_group, "cp.async.wait_group")
 
 
 # --------------------------------------------------------------------------
+# 16-byte read-only global loads (memory-bound kernels)
+# --------------------------------------------------------------------------
+
+
+def load_16(src, index):
+    """``load_16(src, index) -> (w0, w1, w2, w3)``: the 16 bytes at ``src[index]`` as four ``uint32``.
+
+    ``src`` is a global array whose last axis is contiguous, 16-byte aligned
+    at ``index`` (a tuple of ``src.ndim`` ints), and not written while the
+    kernel runs. Emits ``ld.global.nc.v4.u32``; word ``i`` holds bytes
+    ``4i .. 4i + 3`` (so two 16-bit elements, the lower-addressed in its low half).
+    """
+    count = 16 // src.itemsize
+    chunk = np.ascontiguousarray([src[(*index[:-1], index[-1] + i)] for i in range(count)], dtype=src.dtype)
+    words = chunk.view(np.uint32)
+    return np.uint32(words[0]), np.uint32(words[1]), np.uint32(words[2]), np.uint32(words[3])
+
+
+@intrinsic
+def _load_16(typingctx, src, index):
+    if not (isinstance(src, types.Array) and isinstance(index, types.BaseTuple)):
+        return None
+    result = types.UniTuple(types.uint32, 4)
+
+    def codegen(context, builder, sig, args):
+        src_type, index_type = sig.args
+        source = make_array(src_type)(context, builder, args[0])
+        indices = [
+            context.cast(builder, v, t, types.intp)
+            for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)
+        ]
+        ptr = cgutils.get_item_pointer(context, builder, src_type, source, indices)
+        words = _asm(
+            builder,
+            "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+            "=r,=r,=r,=r,l",
+            ir.LiteralStructType([_i32] * 4),
+            [builder.ptrtoint(ptr, _i64)],
+        )
+        return _unpack_struct(context, builder, sig, words, 4)
+
+    return result(src, index), codegen
+
+
+_bind(load_16, _load_16)
+
+
+def f32_from_bits(bits):
+    """``f32_from_bits(bits) -> float32``: the fp32 value with bit pattern ``bits`` (a ``uint32``)."""
+    return np.uint32(bits).view(np.float32)
+
+
+_bind(f32_from_bits, _ir_intrinsic(lambda builder, x: builder.bitcast(x, _f32), types.float32(types.uint32)))
+
+
+# --------------------------------------------------------------------------
 # Shared-memory stores and 16-byte shared-to-global copies (output epilogues)
 # --------------------------------------------------------------------------
 

@@ -1,0 +1,658 @@
+"""``numattn.decode``, ``numattn.paged_decode``, ``numattn.merge_states``: attention for generation.
+
+Both decode entry points reduce to one problem: query rows ``[B, Hq, Sq, D]``
+against keys and values in 4-D ``[pages, Hkv, page_size, D]`` views (any
+strides; a contiguous cache is one page per sequence), an optional page table
+and optional per-sequence lengths. ``kernels/decode.py`` computes it with
+split-KV flash decoding.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import types
+
+from .._arrays import (
+    FLOAT_DTYPES,
+    Operand,
+    contiguous_strides,
+    describe,
+    device_pointer,
+    empty_device_like,
+    from_dlpack,
+    host_storage,
+    is_torch,
+    storage_dtype,
+    wrap_host,
+)
+from .._cuda import SIMULATOR, cuda
+from ..kernels.decode import NUM_THREADS, combine_kernel, decode_geometry, decode_kernel, merge_kernel
+from ..kernels.launch import compiled, device_limits, flatten_array
+
+MAX_HEAD_DIM = 256
+_LOG2E = math.log2(math.e)
+_LAYOUTS = ("bhsd", "bshd")
+_KV_LAYOUTS = ("nhd", "hnd")
+
+
+@dataclass(frozen=True)
+class _Array:
+    """One kernel argument: its operand (None for an unused placeholder) and the 4-D (or other) view the kernel reads."""
+
+    op: Operand
+    shape: tuple
+    strides: tuple  # in elements
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """A validated decode call in the kernel's terms."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    device: object
+    scale: float
+    return_lse: bool
+    q: _Array  # [B, Hq, Sq, D]
+    k: _Array  # [pages, Hkv, page_size, D]
+    v: _Array
+    page_table: _Array  # [B, max_pages] int32, or None
+    seqlens: _Array  # [B] int32, or None
+    out_shape: tuple  # the user's layout
+    out_view: tuple  # (shape, strides) of the output as [B, Hq, Sq, Dv] over a contiguous out_shape array
+    capacity: int  # keys a sequence can hold
+
+    @property
+    def vector_loads(self):
+        per_copy = 16 // storage_dtype(self.dtype).itemsize
+        return all(
+            a.strides[-1] == 1 and all(s % per_copy == 0 for s in a.strides[:-1]) and a.op.ptr % 16 == 0
+            and a.shape[-1] % per_copy == 0
+            for a in (self.q, self.k, self.v)
+        )
+
+    @property
+    def lse_shape(self):
+        return (self.batch, self.heads_q, self.seqlen_q)
+
+
+def _check_float(op, name, ndims, expected):
+    if len(op.shape) not in ndims:
+        raise ValueError(f"{name} must be {expected}, got shape {op.shape}")
+    if 0 in op.shape:
+        raise ValueError(f"{name} has a zero-size dimension: shape {op.shape}")
+    if op.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {op.dtype}; expected float16, bfloat16 or float32")
+
+
+def _check_index(op, name, shape_text, ndim, device):
+    if op.dtype != "int32":
+        raise TypeError(f"{name} must have dtype int32, got {op.dtype}")
+    if len(op.shape) != ndim:
+        raise ValueError(f"{name} must be {shape_text}, got shape {op.shape}")
+    if op.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({_where(device)}), got {op.where}")
+
+
+def _where(device):
+    return "host memory" if device is None else f"GPU {device}"
+
+
+def _scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _query(q, layout):
+    """``(operand, [B, Hq, Sq, D] view, squeezed)`` of the query argument."""
+    op = describe(q, "q")
+    _check_float(op, "q", (3, 4), "(batch, heads, head_dim) or 4-D " + (
+        "(batch, heads, seqlen_q, head_dim)" if layout == "bhsd" else "(batch, seqlen_q, heads, head_dim)"))
+    if len(op.shape) == 3:
+        b, h, d = op.shape
+        return op, _Array(op, (b, h, 1, d), (op.strides[0], op.strides[1], 0, op.strides[2])), True
+    axes = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
+    return op, _Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)), False
+
+
+def _output_view(shape, layout, squeezed):
+    """The contiguous output of ``shape`` seen as ``[B, Hq, Sq, Dv]``."""
+    strides = contiguous_strides(shape)
+    if squeezed:
+        b, h, dv = shape
+        return (b, h, 1, dv), (strides[0], strides[1], 0, strides[2])
+    axes = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
+    return tuple(shape[a] for a in axes), tuple(strides[a] for a in axes)
+
+
+def _common_checks(q_op, q4, k_op, v_op, k4, v4):
+    ops = {"q": q_op, "k": k_op, "v": v_op}
+    if len({op.dtype for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
+        raise TypeError(f"q and the key/value caches must share one dtype, got {given}")
+    if len({op.device for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
+        raise ValueError(f"q and the key/value caches must be on one device, got {given}")
+    heads_q, head_dim = q4.shape[1], q4.shape[3]
+    heads_kv = k4.shape[1]
+    if k4.shape[3] != head_dim:
+        raise ValueError(f"key head_dim must equal q head_dim {head_dim}, got {k4.shape[3]}")
+    if v4.shape[:3] != k4.shape[:3]:
+        raise ValueError(f"the value cache must match the key cache except in head_dim, got {v_op.shape} and {k_op.shape}")
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    for name, d in (("q/k head_dim", head_dim), ("v head_dim", v4.shape[3])):
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {d}")
+
+
+def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse):
+    if layout not in _LAYOUTS:
+        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    q_op, q4, squeezed = _query(q, layout)
+    cache_text = "(batch, heads, max_seqlen, head_dim)" if layout == "bhsd" else "(batch, max_seqlen, heads, head_dim)"
+    k_op, v_op = describe(k_cache, "k_cache"), describe(v_cache, "v_cache")
+    axes = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
+    for name, op in (("k_cache", k_op), ("v_cache", v_op)):
+        _check_float(op, name, (4,), cache_text)
+    k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
+    _common_checks(q_op, q4, k_op, v_op, k4, v4)
+    if k4.shape[0] != q4.shape[0]:
+        raise ValueError(f"k_cache must have q's batch size {q4.shape[0]}, got {k4.shape[0]}")
+    seq = None
+    if seqlens is not None:
+        s_op = describe(seqlens, "seqlens")
+        _check_index(s_op, "seqlens", f"1-D (batch,) = ({q4.shape[0]},)", 1, q_op.device)
+        if s_op.shape[0] != q4.shape[0]:
+            raise ValueError(f"seqlens must have one entry per sequence ({q4.shape[0]}), got shape {s_op.shape}")
+        seq = _Array(s_op, s_op.shape, s_op.strides)
+    return _problem(q_op, q4, k4, v4, None, seq, k4.shape[2], scale, layout, return_lse, squeezed)
+
+
+def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse):
+    if kv_layout not in _KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be 'nhd' or 'hnd', got {kv_layout!r}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    q_op, q4, squeezed = _query(q, "bhsd")
+    pages_text = "(num_pages, page_size, heads, head_dim)" if kv_layout == "nhd" else "(num_pages, heads, page_size, head_dim)"
+    k_op, v_op = describe(k_pages, "k_pages"), describe(v_pages, "v_pages")
+    axes = (0, 2, 1, 3) if kv_layout == "nhd" else (0, 1, 2, 3)
+    for name, op in (("k_pages", k_op), ("v_pages", v_op)):
+        _check_float(op, name, (4,), pages_text)
+    k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
+    _common_checks(q_op, q4, k_op, v_op, k4, v4)
+    batch = q4.shape[0]
+    t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
+    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, q_op.device)
+    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, q_op.device)
+    if t_op.shape[0] != batch or t_op.shape[1] == 0:
+        raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got shape {t_op.shape}")
+    if s_op.shape[0] != batch:
+        raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
+    table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
+    return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed)
+
+
+def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed):
+    batch, heads_q, seqlen_q, head_dim = q4.shape
+    head_dim_v = v4.shape[3]
+    if squeezed:
+        out_shape = (batch, heads_q, head_dim_v)
+    elif layout == "bhsd":
+        out_shape = (batch, heads_q, seqlen_q, head_dim_v)
+    else:
+        out_shape = (batch, seqlen_q, heads_q, head_dim_v)
+    return DecodeProblem(
+        batch, heads_q, k4.shape[1], seqlen_q, head_dim, head_dim_v, q_op.dtype, q_op.device,
+        _scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
+        _output_view(out_shape, layout, squeezed), capacity,
+    )
+
+
+def _index_values(x):
+    """A numpy view or copy of an index array (for a device array a device-to-host copy, so a synchronisation)."""
+    if is_torch(x):
+        return x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        return x
+    return cuda.as_cuda_array(x).copy_to_host()
+
+
+def _check_values(p, page_table, seqlens):
+    """Clear errors for lengths and page indices that the caches cannot serve."""
+    if seqlens is None:
+        return
+    lengths = _index_values(seqlens).astype(np.int64)
+    if (lengths < 0).any():
+        b = int(np.argmax(lengths < 0))
+        raise ValueError(f"seqlens must be non-negative, got seqlens[{b}] = {lengths[b]}")
+    if (lengths > p.capacity).any():
+        b = int(np.argmax(lengths > p.capacity))
+        what = "the cache length" if page_table is None else "max_pages * page_size"
+        raise ValueError(f"seqlens[{b}] = {lengths[b]} exceeds {what} ({p.capacity})")
+    if page_table is None:
+        return
+    table = _index_values(page_table)
+    page_size, num_pages = p.k.shape[2], p.k.shape[0]
+    used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(f"page_table[{b}, {j}] = {table[b, j]} is not a page index in [0, {num_pages})")
+
+
+def _splits(p, rows):
+    """Key splits per (sequence, KV head, row chunk): enough blocks to fill the GPU, at least 256 keys each."""
+    row_chunks = -(-(p.heads_q // p.heads_kv * p.seqlen_q) // rows)
+    work = p.batch * p.heads_kv * row_chunks
+    sms = 1 if SIMULATOR or p.device is None else device_limits(p.device)["sms"]
+    wanted = -(-8 * sms // work)
+    return max(1, min(wanted, -(-p.capacity // 256))), row_chunks
+
+
+class _Plan:
+    """Kernels, grid and argument layout of one decode problem; launches on device pointers or numpy views."""
+
+    def __init__(self, p, splits=None):
+        self.problem = p
+        vector = p.vector_loads
+        group = p.heads_q // p.heads_kv
+        *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
+        rows = min(rows, group * p.seqlen_q)
+        auto_splits, row_chunks = _splits(p, rows)
+        self.splits = splits or auto_splits
+        split = self.splits > 1
+        self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
+        self.decode = decode_kernel(
+            p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, p.page_table is not None,
+            p.seqlens is not None, split, p.return_lse, vector,
+        )
+        self.combine = combine_kernel(p.dtype, p.head_dim_v, p.return_lse) if split else None
+        self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
+        self.label = f"decode {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} rows={rows} " \
+                     f"paged={p.page_table is not None} splits={self.splits} vector={vector}"
+
+    def arrays(self):
+        """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""
+        p = self.problem
+        item = storage_dtype(p.dtype).itemsize
+        unused = ((1,), (1,), 4)
+        table = (p.page_table.shape, p.page_table.strides, 4) if p.page_table is not None else ((1, 1), (1, 1), 4)
+        seq = (p.seqlens.shape, p.seqlens.strides, 4) if p.seqlens is not None else unused
+        lse = (p.lse_shape, contiguous_strides(p.lse_shape), 4) if p.return_lse else ((1, 1, 1), (1, 1, 1), 4)
+        split = self.combine is not None
+        part = (self.part_shape, contiguous_strides(self.part_shape), 4) if split else ((1,) * 5, (1,) * 5, 4)
+        part_lse = (self.part_shape[:4], contiguous_strides(self.part_shape[:4]), 4) if split else ((1,) * 4, (1,) * 4, 4)
+        return [
+            (p.q.shape, p.q.strides, item), (p.k.shape, p.k.strides, item), (p.v.shape, p.v.strides, item),
+            table, seq, (*p.out_view, item), lse, part, part_lse,
+        ]
+
+
+class _DevicePlan(_Plan):
+    """Launches on device arrays: prepared argument blocks, only pointers and the stream change per call."""
+
+    def __init__(self, p, splits=None):
+        super().__init__(p, splits)
+        storage = numba.from_dtype(storage_dtype(p.dtype))
+        f32, i32 = types.float32, types.int32
+        argtypes = (
+            types.Array(storage, 4, "A"), types.Array(storage, 4, "A"), types.Array(storage, 4, "A"),
+            types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), types.Array(storage, 4, "A"),
+            types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), f32,
+        )
+        kernel = compiled(self.decode, argtypes, p.device, 0, self.label)
+        fields, slots = [], []
+        for shape, strides, size in self.arrays():
+            slots.append(len(fields) + 4)
+            fields.extend(flatten_array(0, shape, strides, size))
+        fields.append(np.float32(p.scale * _LOG2E))
+        self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
+        self.launch_combine = None
+        if self.combine is not None:
+            ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
+                      types.Array(f32, 3, "A"))
+            combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
+            arrays = self.arrays()
+            fields, slots = [], []
+            for shape, strides, size in (arrays[7], arrays[8], arrays[5], arrays[6]):
+                slots.append(len(fields) + 4)
+                fields.extend(flatten_array(0, shape, strides, size))
+            rows = p.batch * p.heads_q * p.seqlen_q
+            self.launch_combine = combine.prepare(rows, NUM_THREADS, fields, slots)
+
+    def run(self, stream, q, k, v, table, seqlens, out, lse, part, part_lse):
+        """Launch on raw pointers (0 for absent arrays)."""
+        self.launch(stream, q, k, v, table, seqlens, out, lse, part, part_lse)
+        if self.launch_combine is not None:
+            self.launch_combine(stream, part, part_lse, out, lse)
+
+
+class _TorchPlan(_DevicePlan):
+    """torch CUDA tensors, on torch's current stream; outputs and split workspaces from torch's allocator."""
+
+    def __init__(self, p, splits=None):
+        super().__init__(p, splits)
+        import torch
+
+        self._torch = torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        device = torch.device("cuda", p.device)
+        one = torch.empty(1, dtype=getattr(torch, p.dtype), device=device)
+        f32 = one.float()
+        self._out = one.expand(p.out_shape)
+        self._lse = f32.expand(p.lse_shape) if p.return_lse else None
+        split = self.combine is not None
+        self._part = f32.expand(self.part_shape) if split else None
+        self._part_lse = f32.expand(self.part_shape[:4]) if split else None
+
+    def __call__(self, q, k, v, page_table, seqlens):
+        empty_like = self._torch.empty_like
+        out = empty_like(self._out)
+        lse = empty_like(self._lse) if self._lse is not None else None
+        part = empty_like(self._part) if self._part is not None else None
+        part_lse = empty_like(self._part_lse) if self._part_lse is not None else None
+        self.run(
+            self._stream(self.problem.device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+            0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
+            out.data_ptr(), 0 if lse is None else lse.data_ptr(),
+            0 if part is None else part.data_ptr(), 0 if part_lse is None else part_lse.data_ptr(),
+        )
+        return (out, lse) if lse is not None else out
+
+
+class _CaiPlan(_DevicePlan):
+    """Other device arrays (numba, CuPy, ``__cuda_array_interface__``): outputs allocated like q."""
+
+    def __call__(self, q, k, v, page_table, seqlens):
+        p = self.problem
+        out = empty_device_like(q, p.out_shape, p.dtype, p.device)
+        lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
+        part = part_lse = None
+        if self.combine is not None:
+            part = empty_device_like(q, self.part_shape, "float32", p.device)
+            part_lse = empty_device_like(q, self.part_shape[:4], "float32", p.device)
+        stream = q.__cuda_array_interface__.get("stream") or 0
+        pointer = (lambda x: 0 if x is None else device_pointer(x))
+        self.run(stream, *(pointer(x) for x in (q, k, v, page_table, seqlens, out, lse, part, part_lse)))
+        return (out, lse) if lse is not None else out
+
+
+class _HostPlan(_Plan):
+    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine the arrays are
+    copied to the device and back."""
+
+    def __call__(self, q, k, v, page_table, seqlens):
+        p = self.problem
+        views = []
+        for x, a in ((q, p.q), (k, p.k), (v, p.v), (page_table, p.page_table), (seqlens, p.seqlens)):
+            if x is None:
+                views.append(None)
+                continue
+            storage = host_storage(x, a.op) if a.op.dtype in FLOAT_DTYPES else _index_values(x)
+            item = storage.itemsize
+            views.append(np.lib.stride_tricks.as_strided(storage, a.shape, tuple(s * item for s in a.strides)))
+        out = np.empty(p.out_shape, storage_dtype(p.dtype))
+        item = out.itemsize
+        o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
+        lse = np.empty(p.lse_shape, np.float32) if p.return_lse else np.empty((1, 1, 1), np.float32)
+        split = self.combine is not None
+        part = np.empty(self.part_shape if split else (1,) * 5, np.float32)
+        part_lse = np.empty(self.part_shape[:4] if split else (1,) * 4, np.float32)
+        table = views[3] if views[3] is not None else np.zeros((1, 1), np.int32)
+        lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
+        args = [views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse]
+        if SIMULATOR:
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            self.decode[self.grid, NUM_THREADS](*(FakeCUDAArray(a) for a in args), np.float32(p.scale * _LOG2E))
+            if split:
+                self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](
+                    FakeCUDAArray(part), FakeCUDAArray(part_lse), FakeCUDAArray(o4), FakeCUDAArray(lse)
+                )
+        else:
+            device_args = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
+            self.decode[self.grid, NUM_THREADS](*device_args, np.float32(p.scale * _LOG2E))
+            if split:
+                self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](
+                    device_args[7], device_args[8], device_args[5], device_args[6]
+                )
+            o4[...] = device_args[5].copy_to_host()
+            lse = device_args[6].copy_to_host()
+        result = wrap_host(out, q, p.dtype)
+        return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
+
+
+def _make_plan(p, splits=None):
+    ops = [a.op for a in (p.q, p.k, p.v, p.page_table, p.seqlens) if a is not None]
+    if p.device is None:
+        return _HostPlan(p, splits)
+    if all(op.kind == "torch" for op in ops):
+        return _TorchPlan(p, splits)
+    return _CaiPlan(p, splits)
+
+
+_PLANS = {}
+_MAX_PLANS = 1024
+
+
+def _signature(x):
+    """What a plan depends on of one argument (None for an absent one)."""
+    if x is None:
+        return None
+    if is_torch(x):
+        return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+    if isinstance(x, np.ndarray):
+        return (x.dtype, x.shape, x.strides)
+    raise TypeError  # other libraries: validated and planned on every call
+
+
+def _run(kind, validate, arrays, options, check):
+    try:
+        key = (kind, *(_signature(x) for x in arrays), *((type(o), o) for o in options))
+        hash(key)
+    except TypeError:
+        key = None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        arrays = [from_dlpack(x) if x is not None else None for x in arrays]
+        plan = _make_plan(validate(*arrays, *options))
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    if check and not _capturing(plan.problem):
+        _check_values(plan.problem, arrays[3], arrays[4])
+    return plan(*arrays)
+
+
+def _capturing(p):
+    """Whether torch is capturing a CUDA graph on the current stream (no host copies allowed then)."""
+    if p.device is None or p.q.op.kind != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True):
+    """Attention of a few new query tokens per sequence over a KV cache (split-KV flash decoding).
+
+    Parameters
+    ----------
+    q : array ``[batch, heads_q, head_dim]`` (one new token per sequence), or
+        ``[batch, heads_q, seqlen_q, head_dim]`` (``"bhsd"``) / ``[batch, seqlen_q, heads_q, head_dim]``
+        (``"bshd"``) for a few new tokens (speculative decoding): token ``i`` sees keys
+        ``t <= seqlen - seqlen_q + i`` (causal, bottom-right aligned). float16, bfloat16 or float32.
+    k_cache, v_cache : ``[batch, heads_kv, max_seqlen, head_dim]`` (``"bhsd"``) or
+        ``[batch, max_seqlen, heads_kv, head_dim]`` (``"bshd"``); v's head dim may differ.
+        ``heads_q`` must be a multiple of ``heads_kv`` (any group size).
+    seqlens : int32 array ``[batch]``, optional
+        Valid keys per sequence (the first ``seqlens[b]`` positions); ``max_seqlen`` when omitted.
+        A sequence of length 0 returns zeros (and an LSE of ``-inf``).
+    scale : float, optional
+        Softmax scale, ``1 / sqrt(head_dim)`` by default.
+    return_lse : bool
+        Also return the natural-log log-sum-exp per query row, float32 ``[batch, heads_q, seqlen_q]``.
+    check : bool
+        Check ``seqlens`` values (non-negative, at most ``max_seqlen``). For device arrays this
+        copies them to the host, a synchronisation; pass ``False`` on hot paths. Skipped while
+        torch captures a CUDA graph. Unchecked lengths are clamped into ``[0, max_seqlen]``.
+
+    Returns
+    -------
+    ``o`` shaped like ``q`` with ``head_dim_v`` last, same dtype and library, or ``(o, lse)``.
+
+    Examples
+    --------
+    >>> import numpy as np, numattn
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 8, 64), dtype=np.float32)
+    >>> k = rng.standard_normal((2, 2, 100, 64), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 2, 100, 64), dtype=np.float32)
+    >>> numattn.decode(q, k, v, seqlens=np.array([100, 37], np.int32)).shape
+    (2, 8, 64)
+    """
+    return _run("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens],
+                (scale, layout, return_lse), check)
+
+
+def _validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse):
+    return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse)
+
+
+def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False,
+                 check=True):
+    """Decode attention over a paged KV cache.
+
+    Parameters
+    ----------
+    q : ``[batch, heads_q, head_dim]`` or ``[batch, heads_q, seqlen_q, head_dim]`` (as in ``decode``).
+    k_pages, v_pages : ``[num_pages, page_size, heads_kv, head_dim]`` (``kv_layout="nhd"``) or
+        ``[num_pages, heads_kv, page_size, head_dim]`` (``"hnd"``); any ``page_size >= 1``.
+    page_table : int32 ``[batch, max_pages]``: sequence ``b``'s key ``t`` is in page
+        ``page_table[b, t // page_size]`` at position ``t % page_size``. Entries past a
+        sequence's last page are ignored.
+    seqlens : int32 ``[batch]``: keys per sequence, at most ``max_pages * page_size``.
+    scale, return_lse, check : as in ``decode``; ``check`` also checks that every page index
+        a sequence uses lies in ``[0, num_pages)`` (unchecked indices are clamped into it).
+
+    See ``csr_page_table`` for FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
+    """
+    return _run("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
+                (scale, kv_layout, return_lse), check)
+
+
+def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse):
+    return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse)
+
+
+def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
+    """``(page_table, seqlens)`` from FlashInfer's CSR description of a paged cache.
+
+    Sequence ``b`` uses pages ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, its last one
+    filled to ``kv_last_page_len[b]``. Host (numpy) arrays in, int32 numpy arrays out; the
+    table's unused entries are 0. Converting once per batch layout keeps the decode call free
+    of host work.
+    """
+    indptr, indices, last = (np.asarray(x) for x in (kv_indptr, kv_indices, kv_last_page_len))
+    for name, x, ndim in (("kv_indptr", indptr, 1), ("kv_indices", indices, 1), ("kv_last_page_len", last, 1)):
+        if x.dtype.kind not in "iu" or x.ndim != ndim:
+            raise TypeError(f"{name} must be a 1-D integer array, got {x.dtype} with shape {x.shape}")
+    batch = len(indptr) - 1
+    if batch < 0 or len(last) != batch:
+        raise ValueError(f"kv_indptr needs batch + 1 entries and kv_last_page_len batch entries, got {len(indptr)} "
+                         f"and {len(last)}")
+    counts = np.diff(indptr)
+    if (counts < 0).any() or indptr[0] != 0 or indptr[-1] > len(indices):
+        raise ValueError("kv_indptr must start at 0, not decrease, and end within kv_indices")
+    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if ((last < 0) | (last > page_size) | ((last == 0) & (counts > 0))).any():
+        raise ValueError(f"kv_last_page_len entries must lie in [1, {page_size}] for sequences with pages")
+    table = np.zeros((batch, max(1, int(counts.max(initial=0)))), np.int32)
+    for b in range(batch):
+        table[b, : counts[b]] = indices[indptr[b] : indptr[b + 1]]
+    seqlens = np.where(counts > 0, (counts - 1) * page_size + last, 0).astype(np.int32)
+    return table, seqlens
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Attention over the union of two disjoint key sets from the two partial results.
+
+    ``o_*`` ``[..., head_dim_v]`` and their natural-log ``lse_*`` ``[...]`` (float32), as
+    ``attention(..., return_lse=True)`` or ``decode(..., return_lse=True)`` return them for
+    the two key sets; ``-inf`` marks a row that saw no key. Returns ``(o, lse)`` like ``o_a``.
+    The split-KV combine step uses the same weights: ``exp(lse_x - lse)``.
+    """
+    ops = [describe(x, n) for x, n in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b"))]
+    oa, la, ob, lb = ops
+    if oa.dtype not in FLOAT_DTYPES or ob.dtype != oa.dtype:
+        raise TypeError(f"o_a and o_b must share a float dtype, got {oa.dtype} and {ob.dtype}")
+    if la.dtype != "float32" or lb.dtype != "float32":
+        raise TypeError(f"lse_a and lse_b must be float32, got {la.dtype} and {lb.dtype}")
+    if oa.shape != ob.shape or len(oa.shape) < 1 or la.shape != oa.shape[:-1] or lb.shape != la.shape:
+        raise ValueError(f"o_a, o_b must share a shape [..., head_dim_v] and lse_a, lse_b be [...]: got "
+                         f"{oa.shape}, {ob.shape}, {la.shape}, {lb.shape}")
+    if len({op.device for op in ops}) > 1:
+        raise ValueError("o_a, lse_a, o_b and lse_b must be on one device")
+    rows, dv = int(np.prod(oa.shape[:-1])), oa.shape[-1]
+    kernel = merge_kernel(oa.dtype, dv)
+    if oa.device is None:
+        flat = [np.ascontiguousarray(host_storage(x, op)).reshape(-1, dv) if i % 2 == 0
+                else np.ascontiguousarray(host_storage(x, op)).reshape(-1)
+                for i, (x, op) in enumerate(zip((o_a, lse_a, o_b, lse_b), ops))]
+        o = np.empty((rows, dv), storage_dtype(oa.dtype))
+        lse = np.empty(rows, np.float32)
+        if rows:
+            if SIMULATOR:
+                from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+                kernel[rows, NUM_THREADS](*(FakeCUDAArray(a) for a in (*flat, o, lse)))
+            else:
+                device = [cuda.to_device(a) for a in (*flat, o, lse)]
+                kernel[rows, NUM_THREADS](*device)
+                o, lse = device[4].copy_to_host(), device[5].copy_to_host()
+        return (wrap_host(o.reshape(oa.shape), o_a, oa.dtype), wrap_host(lse.reshape(la.shape), o_a, "float32"))
+    if not all(op.kind == "torch" for op in ops):
+        raise TypeError("merge_states on a GPU takes torch tensors")
+    import torch
+
+    a, b = o_a.reshape(rows, dv).contiguous(), o_b.reshape(rows, dv).contiguous()
+    la_flat, lb_flat = lse_a.reshape(rows).contiguous(), lse_b.reshape(rows).contiguous()
+    o, lse = torch.empty_like(a), torch.empty_like(la_flat)
+    if rows:
+        launch = _merge_launch(oa.dtype, dv, rows, oa.device)
+        stream = torch.cuda.current_stream(a.device).cuda_stream
+        launch(stream, *(x.data_ptr() for x in (a, la_flat, b, lb_flat, o, lse)))
+    return o.reshape(oa.shape), lse.reshape(la.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_launch(dtype, head_dim_v, rows, device):
+    storage = numba.from_dtype(storage_dtype(dtype))
+    o_type, lse_type = types.Array(storage, 2, "A"), types.Array(types.float32, 1, "A")
+    kernel = compiled(merge_kernel(dtype, head_dim_v), (o_type, lse_type) * 3, device, 0, f"merge {dtype} dv={head_dim_v}")
+    item = storage_dtype(dtype).itemsize
+    fields, slots = [], []
+    for shape, strides, size in (((rows, head_dim_v), (head_dim_v, 1), item), ((rows,), (1,), 4)) * 3:
+        slots.append(len(fields) + 4)
+        fields.extend(flatten_array(0, shape, strides, size))
+    return kernel.prepare(rows, NUM_THREADS, fields, slots)

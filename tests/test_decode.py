@@ -1,0 +1,196 @@
+"""numattn.decode / paged_decode / merge_states against the float64 reference (simulator on CPU, GPU kernels on a GPU)."""
+
+import numpy as np
+import pytest
+import torch
+
+import numattn
+from numattn import reference
+from numattn.ops import decode as module
+
+from conftest import ATOL
+from helpers import as_dtype, max_error
+
+pytestmark = pytest.mark.sim
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """Force the number of key splits (the heuristic gives 1 in the simulator for these sizes)."""
+
+    def force(count):
+        real = module._splits
+        monkeypatch.setattr(module, "_splits", lambda p, rows: (count, real(p, rows)[1]))
+        monkeypatch.setattr(module, "_PLANS", {})
+
+    return force
+
+
+def _random(rng, shape, dtype):
+    return as_dtype([rng.standard_normal(shape, dtype=np.float32)], dtype)[0]
+
+
+def _lengths(rng, batch, capacity):
+    """Random lengths in [0, capacity], always including 0, 1 and the capacity when the batch allows."""
+    lengths = rng.integers(0, capacity + 1, size=batch)
+    lengths[: min(3, batch)] = [0, 1, capacity][: min(3, batch)]
+    return rng.permutation(lengths).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    "dtype, group, seqlen_q, head_dim, head_dim_v, layout, split_count",
+    [
+        ("float16", 3, 1, 64, 64, "bhsd", 3),
+        ("bfloat16", 1, 1, 128, 64, "bshd", 1),
+        ("float32", 8, 1, 32, 32, "bhsd", 2),
+        ("float16", 2, 3, 64, 64, "bshd", 2),  # speculative: 3 new tokens, causal among them
+        ("float16", 2, 1, 36, 40, "bhsd", 2),  # head dims off the 16-byte loads: element loads
+    ],
+)
+def test_decode_matches_reference(rng, splits, dtype, group, seqlen_q, head_dim, head_dim_v, layout, split_count):
+    splits(split_count)
+    batch, heads_kv, max_len = 4, 2, 45
+    heads_q = heads_kv * group
+    if seqlen_q == 1:
+        q = _random(rng, (batch, heads_q, head_dim), dtype)
+    else:
+        shape = (batch, heads_q, seqlen_q, head_dim) if layout == "bhsd" else (batch, seqlen_q, heads_q, head_dim)
+        q = _random(rng, shape, dtype)
+    cache = (batch, heads_kv, max_len) if layout == "bhsd" else (batch, max_len, heads_kv)
+    k, v = _random(rng, (*cache, head_dim), dtype), _random(rng, (*cache, head_dim_v), dtype)
+    lengths = _lengths(rng, batch, max_len)
+    o, lse = numattn.decode(q, k, v, seqlens=lengths, layout=layout, return_lse=True)
+    ref_o, ref_lse = reference.decode(q, k, v, seqlens=lengths, layout=layout, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL[dtype]
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert np.abs(np.asarray(lse)[finite] - ref_lse[finite]).max() <= 1e-4
+    assert np.all(reference.to_float64(o)[lengths == 0] == 0)  # empty sequences give zeros
+
+
+def test_decode_whole_cache_and_scale(rng):
+    q = _random(rng, (2, 4, 64), "float32")
+    k, v = _random(rng, (2, 4, 30, 64), "float32"), _random(rng, (2, 4, 30, 64), "float32")
+    assert max_error(numattn.decode(q, k, v, scale=0.3), reference.decode(q, k, v, scale=0.3)) <= ATOL["float32"]
+
+
+@pytest.mark.parametrize("page_size, kv_layout, dtype", [(1, "nhd", "float16"), (16, "hnd", "bfloat16"), (5, "nhd", "float32")])
+def test_paged_decode_matches_reference(rng, splits, page_size, kv_layout, dtype):
+    splits(2)
+    batch, heads_q, heads_kv, head_dim, max_pages = 3, 4, 2, 64, 9
+    num_pages = batch * max_pages + 4
+    pages = (num_pages, page_size, heads_kv, head_dim) if kv_layout == "nhd" else (num_pages, heads_kv, page_size, head_dim)
+    k, v = _random(rng, pages, dtype), _random(rng, pages, dtype)
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    lengths = _lengths(rng, batch, max_pages * page_size)
+    q = _random(rng, (batch, heads_q, head_dim), dtype)
+    o = numattn.paged_decode(q, k, v, table, lengths, kv_layout=kv_layout)
+    ref = reference.paged_decode(q, k, v, table, lengths, kv_layout=kv_layout)
+    assert max_error(o, ref) <= ATOL[dtype]
+
+
+def test_csr_page_table_matches_flashinfer_layout(rng):
+    page_size = 4
+    kv_indptr = np.array([0, 3, 3, 5])
+    kv_indices = np.array([7, 2, 5, 0, 1])
+    kv_last_page_len = np.array([2, 0, 4])
+    table, lengths = numattn.csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size)
+    assert table.dtype == np.int32 and lengths.dtype == np.int32
+    assert np.array_equal(lengths, [10, 0, 8])
+    assert np.array_equal(table[0], [7, 2, 5]) and np.array_equal(table[2, :2], [0, 1])
+    k = _random(rng, (8, page_size, 1, 32), "float32")
+    v = _random(rng, (8, page_size, 1, 32), "float32")
+    q = _random(rng, (3, 2, 32), "float32")
+    assert max_error(numattn.paged_decode(q, k, v, table, lengths), reference.paged_decode(q, k, v, table, lengths)) <= 2e-5
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        numattn.csr_page_table(kv_indptr, kv_indices, np.array([2, 0, 5]), page_size)
+
+
+def test_merge_states_is_attention_over_the_union(rng):
+    q = _random(rng, (1, 2, 5, 32), "float32")
+    k, v = _random(rng, (1, 2, 40, 32), "float32"), _random(rng, (1, 2, 40, 32), "float32")
+    o_a, lse_a = numattn.attention(q, k[:, :, :15], v[:, :, :15], return_lse=True)
+    o_b, lse_b = numattn.attention(q, k[:, :, 15:], v[:, :, 15:], return_lse=True)
+    o, lse = numattn.merge_states(o_a, lse_a, o_b, lse_b)
+    ref_o, ref_lse = reference.attention(q, k, v, return_lse=True)
+    assert max_error(o, ref_o) <= 2e-5
+    assert np.abs(lse - ref_lse).max() <= 1e-5
+    empty = np.full_like(lse_b, -np.inf)
+    o_same, lse_same = numattn.merge_states(o_a, lse_a, np.zeros_like(o_b), empty)  # an empty state changes nothing
+    assert np.abs(o_same - o_a).max() <= 1e-6 and np.abs(lse_same - lse_a).max() <= 1e-6
+
+
+def test_bad_input_errors(rng):
+    q = _random(rng, (2, 4, 32), "float32")
+    k = _random(rng, (2, 2, 10, 32), "float32")
+    pages = _random(rng, (6, 4, 2, 32), "float32")
+    table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+    with pytest.raises(ValueError, match="seqlens must be non-negative"):
+        numattn.decode(q, k, k, seqlens=np.array([3, -1], np.int32))
+    with pytest.raises(ValueError, match="exceeds the cache length"):
+        numattn.decode(q, k, k, seqlens=np.array([3, 11], np.int32))
+    with pytest.raises(TypeError, match="seqlens must have dtype int32"):
+        numattn.decode(q, k, k, seqlens=np.array([3, 4], np.int64))
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        numattn.decode(q, k, k, seqlens=np.array([3], np.int32))
+    with pytest.raises(ValueError, match=r"page_table\[1, 1\] = 9 is not a page index in \[0, 6\)"):
+        numattn.paged_decode(q, pages, pages, np.array([[0, 1, 2], [3, 9, 5]], np.int32), np.array([12, 5], np.int32))
+    with pytest.raises(ValueError, match="exceeds max_pages"):
+        numattn.paged_decode(q, pages, pages, table, np.array([13, 5], np.int32))
+    with pytest.raises(TypeError, match="page_table must have dtype int32"):
+        numattn.paged_decode(q, pages, pages, table.astype(np.int64), np.array([3, 5], np.int32))
+    with pytest.raises(ValueError, match="query heads"):
+        numattn.decode(_random(rng, (2, 3, 32), "float32"), k, k)
+    with pytest.raises(ValueError, match="kv_layout must be"):
+        numattn.paged_decode(q, pages, pages, table, np.array([3, 5], np.int32), kv_layout="nhwd")
+    with pytest.raises(TypeError, match="share one dtype"):
+        numattn.decode(q, k.astype(np.float16), k.astype(np.float16))
+    # entries past a sequence's last page are not used, so not checked
+    o = numattn.paged_decode(q, pages, pages, np.array([[0, -5, 99], [3, 4, 5]], np.int32), np.array([4, 5], np.int32))
+    assert np.isfinite(o).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_decode_on_gpu_realistic(rng, dtype):
+    tdtype = getattr(torch, dtype)
+    batch, heads_q, heads_kv, max_len, head_dim = 8, 32, 8, 3000, 128
+    q = torch.randn(batch, heads_q, head_dim, device="cuda", dtype=tdtype)
+    k = torch.randn(batch, heads_kv, max_len, head_dim, device="cuda", dtype=tdtype)
+    v = torch.randn(batch, heads_kv, max_len, head_dim, device="cuda", dtype=tdtype)
+    lengths = torch.from_numpy(_lengths(rng, batch, max_len)).cuda()
+    o = numattn.decode(q, k, v, seqlens=lengths)
+    assert max_error(o, reference.decode(q, k, v, seqlens=lengths)) <= ATOL[dtype]
+    page_size = 16
+    pages_per_seq = -(-max_len // page_size)
+    perm = torch.randperm(batch * pages_per_seq, device="cuda")
+    table = perm.reshape(batch, pages_per_seq).int()
+    k_pages = torch.empty(batch * pages_per_seq, page_size, heads_kv, head_dim, device="cuda", dtype=tdtype)
+    v_pages = torch.empty_like(k_pages)
+    padded = pages_per_seq * page_size
+    for src, dst in ((k, k_pages), (v, v_pages)):
+        full = torch.zeros(batch, heads_kv, padded, head_dim, device="cuda", dtype=tdtype)
+        full[:, :, :max_len] = src
+        dst[table.long().flatten()] = full.reshape(batch, heads_kv, pages_per_seq, page_size, head_dim).permute(
+            0, 2, 3, 1, 4).reshape(-1, page_size, heads_kv, head_dim)
+    paged = numattn.paged_decode(q, k_pages, v_pages, table, lengths)
+    assert max_error(paged, reference.decode(q, k, v, seqlens=lengths)) <= ATOL[dtype]
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_capture(rng):
+    q = torch.randn(4, 16, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(4, 4, 2048, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(4, 4, 2048, 128, device="cuda", dtype=torch.float16)
+    lengths = torch.tensor([2048, 1, 700, 0], dtype=torch.int32, device="cuda")
+    numattn.decode(q, k, v, seqlens=lengths, check=False)  # warm-up compiles and plans
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = numattn.decode(q, k, v, seqlens=lengths, check=False)
+    for _ in range(2):
+        q.normal_()
+        lengths.copy_(torch.tensor([5, 2048, 33, 1000], dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_error(out, reference.decode(q, k, v, seqlens=lengths)) <= ATOL["float16"]
