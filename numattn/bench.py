@@ -162,6 +162,108 @@ def bench_configs(shape, dtype, causal, configs):
     return rows
 
 
+# (batch, heads_q, heads_kv, max_seqlen, head_dim, dtype): the decode targets W1, W2, W3
+DECODE_SHAPES = [(64, 32, 8, 4096, 128, "float16"), (8, 32, 8, 32768, 128, "bfloat16"), (1, 32, 8, 8192, 128, "float16")]
+
+
+def paged_copy(torch, k, v, page_size):
+    """``(k_pages, v_pages, page_table)``: caches [B, Hkv, L, D] scattered over shuffled nhd pages of ``page_size`` keys."""
+    batch, heads, length, dim = k.shape
+    per_seq = -(-length // page_size)
+    table = torch.randperm(batch * per_seq, device=k.device).reshape(batch, per_seq).int()
+    pages = []
+    for cache in (k, v):
+        full = torch.zeros(batch, heads, per_seq * page_size, cache.shape[3], device=k.device, dtype=cache.dtype)
+        full[:, :, :length] = cache
+        paged = torch.empty(batch * per_seq, page_size, heads, cache.shape[3], device=k.device, dtype=cache.dtype)
+        paged[table.long().flatten()] = (
+            full.reshape(batch, heads, per_seq, page_size, -1).permute(0, 2, 3, 1, 4).reshape(-1, page_size, heads, cache.shape[3])
+        )
+        pages.append(paged)
+    return pages[0], pages[1], table
+
+
+def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
+    """Rows of {shape, dtype, <impl>_us, <impl>_gbs} for numattn.decode, paged_decode per page size and SDPA backends.
+
+    GB/s is the effective rate: K and V bytes of the valid keys over the kernel time.
+    """
+    torch = _torch()
+    import numattn
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    rows = []
+    for batch, heads_q, heads_kv, length, dim, dtype in shapes:
+        tdtype = getattr(torch, dtype)
+        q = torch.randn(batch, heads_q, dim, device="cuda", dtype=tdtype)
+        k, v = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=tdtype) for _ in range(2))
+        lengths = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * batch * heads_kv * length * dim * k.element_size()
+        row = {"shape": (batch, heads_q, heads_kv, length, dim), "dtype": dtype}
+        impls = {"numattn": lambda q=q, k=k, v=v: numattn.decode(q, k, v, check=False)}
+        for page_size in page_sizes:
+            k_pages, v_pages, table = paged_copy(torch, k, v, page_size)
+            impls[f"paged{page_size}"] = (
+                lambda kp=k_pages, vp=v_pages, t=table: numattn.paged_decode(q, kp, vp, t, lengths, check=False)
+            )
+        q4 = q.unsqueeze(2)
+        for name, backend in _sdpa_backends(torch).items():
+            impls[name] = lambda backend=backend: _with_backend_gqa(sdpa_kernel, backend, sdpa, q4, k, v)
+        for name, fn in impls.items():
+            try:
+                ms = cuda_time_ms(fn)
+            except RuntimeError as exc:
+                row[f"{name}_us"] = None
+                row[f"{name}_error"] = str(exc).splitlines()[0][:80]
+                continue
+            row[f"{name}_us"] = ms * 1e3
+            row[f"{name}_gbs"] = kv_bytes / ms / 1e6
+        rows.append(row)
+    return rows
+
+
+def bench_decode_host_overhead():
+    """Host µs per call of decode and paged_decode on a tiny cache (B1 Hq8 Hkv2 L256 D128 fp16), next to
+    torch SDPA and a plain torch op; tiny, so that the GPU never holds the host back."""
+    torch = _torch()
+    import numattn
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    lengths = torch.full((1,), 256, dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = paged_copy(torch, k, v, 16)
+    a = torch.randn(16, device="cuda")
+    q4 = q.unsqueeze(2)
+    return {
+        "numattn.decode": host_overhead_us(lambda: numattn.decode(q, k, v, check=False)),
+        "numattn.decode, seqlens": host_overhead_us(lambda: numattn.decode(q, k, v, seqlens=lengths, check=False)),
+        "numattn.paged_decode": host_overhead_us(
+            lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False)
+        ),
+        "torch sdpa (GQA)": host_overhead_us(lambda: sdpa(q4, k, v, enable_gqa=True)),
+        "torch.add": host_overhead_us(lambda: torch.add(a, a)),
+    }
+
+
+def _with_backend_gqa(sdpa_kernel, backend, sdpa, q, k, v):
+    with sdpa_kernel(backend):
+        return sdpa(q, k, v, enable_gqa=True)
+
+
+def print_decode_table(rows):
+    impls = [name[:-3] for name in rows[0] if name.endswith("_us")]
+    print(f"{'B,Hq,Hkv,L,D':>20} {'dtype':>8} " + " ".join(f"{i + ' µs':>12} {'GB/s':>6}" for i in impls))
+    for row in rows:
+        cells = []
+        for impl in impls:
+            us = row.get(f"{impl}_us")
+            cells.append(f"{us:12.1f} {row[f'{impl}_gbs']:6.0f}" if us is not None else f"{'n/a':>12} {'':>6}")
+        shape = ",".join(map(str, row["shape"]))
+        print(f"{shape:>20} {row['dtype']:>8} " + " ".join(cells))
+
+
 def matmul_peak_tflops(n=8192, dtype="bfloat16"):
     """Measured dense tensor-core rate: an n×n×n torch matmul on random data."""
     torch = _torch()

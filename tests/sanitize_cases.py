@@ -22,6 +22,33 @@ CASES = [  # dtype, causal, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_
     ("float16", False, 2, 4, 4, 500, 700, 64, 64, False),
 ]
 
+DECODE_CASES = [  # dtype, batch, heads_q, heads_kv, max_seqlen, head_dim, page_size (0: contiguous)
+    ("float16", 3, 8, 2, 700, 128, 0),
+    ("bfloat16", 2, 4, 4, 333, 64, 16),
+    ("float16", 2, 6, 2, 100, 128, 1),
+    ("float32", 2, 4, 2, 90, 40, 0),
+]
+
+
+def run_decode_cases(rng):
+    from numattn.bench import paged_copy
+
+    for dtype, b, hq, hkv, length, d, page_size in DECODE_CASES:
+        tdtype = getattr(torch, dtype)
+        q = torch.from_numpy(rng.standard_normal((b, hq, d), dtype=np.float32)).to("cuda", tdtype)
+        k, v = (torch.from_numpy(rng.standard_normal((b, hkv, length, d), dtype=np.float32)).to("cuda", tdtype)
+                for _ in range(2))
+        lengths = torch.from_numpy(rng.integers(0, length + 1, size=b).astype(np.int32)).cuda()
+        if page_size:
+            k_pages, v_pages, table = paged_copy(torch, k, v, page_size)
+            o = numattn.paged_decode(q, k_pages, v_pages, table, lengths)
+        else:
+            o = numattn.decode(q, k, v, seqlens=lengths)
+        err = np.abs(o.double().cpu().numpy() - reference.decode(q, k, v, seqlens=lengths)).max()
+        print(f"decode {dtype} q={tuple(q.shape)} cache={tuple(k.shape)} page_size={page_size}: max err {err:.2e}")
+        assert err < 2e-2
+
+
 if __name__ == "__main__":
     rng = np.random.default_rng()
     for dtype, causal, b, hq, hkv, sq, skv, d, dv, misaligned in CASES:
@@ -34,3 +61,4 @@ if __name__ == "__main__":
         err = np.abs(o.double().cpu().numpy() - reference.attention(q, k, v, causal=causal)).max()
         print(f"{dtype} causal={causal} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}: max err {err:.2e}")
         assert err < 2e-2
+    run_decode_cases(rng)

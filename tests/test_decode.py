@@ -20,7 +20,7 @@ def splits(monkeypatch):
 
     def force(count):
         real = module._splits
-        monkeypatch.setattr(module, "_splits", lambda p, rows: (count, real(p, rows)[1]))
+        monkeypatch.setattr(module, "_splits", lambda p, rows, *args: (count, real(p, rows, *args)[1]))
         monkeypatch.setattr(module, "_PLANS", {})
 
     return force
@@ -161,18 +161,9 @@ def test_decode_on_gpu_realistic(rng, dtype):
     lengths = torch.from_numpy(_lengths(rng, batch, max_len)).cuda()
     o = numattn.decode(q, k, v, seqlens=lengths)
     assert max_error(o, reference.decode(q, k, v, seqlens=lengths)) <= ATOL[dtype]
-    page_size = 16
-    pages_per_seq = -(-max_len // page_size)
-    perm = torch.randperm(batch * pages_per_seq, device="cuda")
-    table = perm.reshape(batch, pages_per_seq).int()
-    k_pages = torch.empty(batch * pages_per_seq, page_size, heads_kv, head_dim, device="cuda", dtype=tdtype)
-    v_pages = torch.empty_like(k_pages)
-    padded = pages_per_seq * page_size
-    for src, dst in ((k, k_pages), (v, v_pages)):
-        full = torch.zeros(batch, heads_kv, padded, head_dim, device="cuda", dtype=tdtype)
-        full[:, :, :max_len] = src
-        dst[table.long().flatten()] = full.reshape(batch, heads_kv, pages_per_seq, page_size, head_dim).permute(
-            0, 2, 3, 1, 4).reshape(-1, page_size, heads_kv, head_dim)
+    from numattn.bench import paged_copy
+
+    k_pages, v_pages, table = paged_copy(torch, k, v, 16)
     paged = numattn.paged_decode(q, k_pages, v_pages, table, lengths)
     assert max_error(paged, reference.decode(q, k, v, seqlens=lengths)) <= ATOL[dtype]
 

@@ -23,11 +23,29 @@ import functools
 import math
 
 import numpy as np
-from numba import float32
+from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .ptx import ex2_approx, f32_from_bits, load_16, shfl_xor_f32, unpack_bf16x2, unpack_f16x2
-from .tiles import NARROW, WIDEN
+from .online_softmax import softmax_steps
+from .ptx import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_group,
+    ex2_approx,
+    f32_from_bits,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    load_16,
+    mma_m16n8k16_bf16,
+    mma_m16n8k16_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    shfl_xor_f32,
+    syncwarp,
+    unpack_bf16x2,
+    unpack_f16x2,
+)
+from .tiles import NARROW, WIDEN, tile_view
 
 NUM_THREADS = 128
 WARPS = NUM_THREADS // 32
@@ -36,6 +54,7 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 _LN2 = np.float32(math.log(2.0))
 _REGISTER_FLOATS = 32  # per lane and row: query and accumulator entries kept in registers
+UNROLL = 4  # keys per lane group whose loads are in flight together
 
 
 def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
@@ -53,6 +72,46 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
     return chunk, lanes, per_lane, per_lane_v, rows
 
 
+def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
+    """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)``.
+
+    Merges the softmax states ``(m_s[w, r], l_s[w, r], acc_s[w · rows + r, :])`` (log2
+    domain, unnormalized) of a block's warps for each of its rows and writes the
+    normalized output and LSE, or, with ``split``, the split's fp32 partial
+    output and log2-sum-exp. Call after a barrier; every thread takes part.
+    """
+    DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, inline="always")
+    def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split):
+        warps = m_s.shape[0]
+        for idx in range(cuda.threadIdx.x, ROWS * DV, cuda.blockDim.x):
+            r, col = idx // DV, idx % DV
+            if row0 + r < G * SQ:
+                h, i = h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
+                m_all = m_s[0, r]
+                for w in range(1, warps):
+                    m_all = max(m_all, m_s[w, r])
+                total, value = _ZERO, _ZERO
+                if m_all != _NEG_INF:
+                    for w in range(warps):
+                        weight = ex2_approx(m_s[w, r] - m_all)
+                        total += l_s[w, r] * weight
+                        value += acc_s[w * ROWS + r, col] * weight
+                out = value / total if total > _ZERO else _ZERO
+                if SPLIT:
+                    o_part[b, h, i, split, col] = out
+                    if col == 0:
+                        lse_part[b, h, i, split] = m_all + math.log2(total) if total > _ZERO else _NEG_INF
+                else:
+                    o[b, h, i, col] = narrow(out)
+                    if WRITE_LSE and col == 0:
+                        lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+
+    return finish
+
+
 @functools.lru_cache(maxsize=None)
 def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has_seqlens, split, write_lse, vector_loads):
     """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2)``.
@@ -68,34 +127,49 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     ``NUM_THREADS`` threads.
     """
     D, DV, G, SQ, ROWS = head_dim, head_dim_v, group, seqlen_q, rows
-    PAGED, HAS_SEQLENS, SPLIT, WRITE_LSE = paged, has_seqlens, split, write_lse
+    PAGED, HAS_SEQLENS = paged, has_seqlens
     CHUNK, LANES, CPL, CPLV, _ = decode_geometry(dtype, head_dim, head_dim_v, vector_loads)
     NCH, NCHV = -(-D // CHUNK), -(-DV // CHUNK)  # chunks of a K row and of a V row
     QW, VW = CPL * CHUNK, CPLV * CHUNK  # entries per lane of a K row and of a V row
+    ACC_COLS = VW * LANES  # a V row as the lanes of a key hold it (at least DV)
+    STATE_ROWS = WARPS * ROWS  # the warps' states in shared memory, warp-major
     KEYS_PER_WARP = 32 // LANES
-    SLOTS = WARPS * KEYS_PER_WARP  # keys in flight per block, one per lane group
-    ROW_CHUNKS = -(-(G * SQ) // ROWS)
+    TILE = WARPS * KEYS_PER_WARP * UNROLL  # keys a block takes per trip
     VECTOR = vector_loads
+    WORD, WORDS = (uint32, 4) if VECTOR else (float32, 1)  # a loaded chunk: four raw words, or one element
+    ROW_CHUNKS = -(-(G * SQ) // ROWS)
     FP32 = dtype == "float32"
     unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
-    widen, narrow = WIDEN[dtype], NARROW[dtype]
+    widen = WIDEN[dtype]
+    finish = _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse)
 
     @cuda.jit(device=True, inline="always")
-    def load_row(src, page, h, pos, sub, n_chunks, per_lane, out):
-        """This lane's chunks ``sub + LANES·j`` (``j < per_lane``) of ``src[page, h, pos, :]`` into ``out``
-        as fp32, 0 past the row."""
+    def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
+        """Start loading this lane's chunks ``sub + LANES·j`` (``j < per_lane``) of ``src[page, h, pos, :]``
+        into ``words[u]``: four 32-bit words per 16-byte chunk, or one widened element."""
         for j in range(per_lane):
             c = sub + LANES * j
             if c < n_chunks:
                 if VECTOR:
                     w = load_16(src, (page, h, pos, c * CHUNK))
                     for e in range(4):
-                        if FP32:
-                            out[j * CHUNK + e] = f32_from_bits(w[e])
-                        else:
-                            out[j * CHUNK + 2 * e], out[j * CHUNK + 2 * e + 1] = unpack(w[e])
+                        words[u, j, e] = w[e]
                 else:
-                    out[j] = widen(src[page, h, pos, c])
+                    words[u, j, 0] = widen(src[page, h, pos, c])
+
+    @cuda.jit(device=True, inline="always")
+    def expand(words, u, sub, n_chunks, per_lane, out):
+        """``words[u]`` as fp32 row entries, 0 past the row."""
+        for j in range(per_lane):
+            if sub + LANES * j < n_chunks:
+                if not VECTOR:
+                    out[j] = words[u, j, 0]
+                elif FP32:
+                    for e in range(4):
+                        out[j * CHUNK + e] = f32_from_bits(words[u, j, e])
+                else:
+                    for e in range(4):
+                        out[j * CHUNK + 2 * e], out[j * CHUNK + 2 * e + 1] = unpack(words[u, j, e])
             else:
                 for e in range(CHUNK):
                     out[j * CHUNK + e] = _ZERO
@@ -107,6 +181,29 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
         if m_new == _NEG_INF:  # both states saw no key
             return _ZERO, _ZERO, m_new
         return ex2_approx(m - m_new), ex2_approx(m_other - m_new), m_new
+
+    @cuda.jit(device=True, inline="always")
+    def update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc):
+        """Fold key ``t`` (this lane group's; ignored unless ``valid``) into every row's online softmax."""
+        for r in range(ROWS):
+            score = _ZERO
+            for x in range(QW):
+                score += q_reg[r, x] * k_row[x]
+            offset = LANES // 2
+            while offset > 0:
+                score += shfl_xor_f32(score, offset)
+                offset //= 2
+            if valid and (SQ == 1 or t <= seqlen - SQ + (row0 + r) % SQ):  # causal among the new tokens
+                if score > m[r]:
+                    alpha = ex2_approx(m[r] - score)
+                    m[r] = score
+                    l_sum[r] *= alpha
+                    for x in range(VW):
+                        acc[r, x] *= alpha
+                p = ex2_approx(score - m[r])
+                l_sum[r] += p
+                for x in range(VW):
+                    acc[r, x] += p * v_row[x]
 
     def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
         b = cuda.blockIdx.z
@@ -127,10 +224,13 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
         l_sum = cuda.local.array(ROWS, float32)
         k_row = cuda.local.array(QW, float32)
         v_row = cuda.local.array(VW, float32)
+        k_words = cuda.local.array((UNROLL, CPL, WORDS), WORD)
+        v_words = cuda.local.array((UNROLL, CPLV, WORDS), WORD)
         for r in range(ROWS):
             g, i = (row0 + r) // SQ, (row0 + r) % SQ
             if row0 + r < G * SQ:
-                load_row(q, b, h_kv * G + g, i, sub, NCH, CPL, k_row)
+                fetch(q, b, h_kv * G + g, i, sub, NCH, CPL, k_words, 0)
+            expand(k_words, 0, sub, NCH, CPL, k_row)
             for x in range(QW):
                 q_reg[r, x] = k_row[x] * scale_log2 if row0 + r < G * SQ else _ZERO
             for x in range(VW):
@@ -138,38 +238,26 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
             m[r] = _NEG_INF
             l_sum[r] = _ZERO
 
-        # every lane of a warp makes the same trips (the score reductions are warp-wide shuffles);
-        # a lane group whose key is past the end computes a score it then ignores
-        for first in range(start + warp * KEYS_PER_WARP, end, SLOTS):
-            t = first + lane // LANES
-            valid = t < end
-            if valid:
-                if PAGED:
-                    page = min(max(page_table[b, t // page_size], 0), k.shape[0] - 1)
-                    pos = t % page_size
-                else:
-                    page, pos = b, t
-                load_row(k, page, h_kv, pos, sub, NCH, CPL, k_row)
-                load_row(v, page, h_kv, pos, sub, NCHV, CPLV, v_row)
-            for r in range(ROWS):
-                score = _ZERO
-                for x in range(QW):
-                    score += q_reg[r, x] * k_row[x]
-                offset = LANES // 2
-                while offset > 0:
-                    score += shfl_xor_f32(score, offset)
-                    offset //= 2
-                if valid and (SQ == 1 or t <= seqlen - SQ + (row0 + r) % SQ):  # causal among the new tokens
-                    if score > m[r]:
-                        alpha = ex2_approx(m[r] - score)
-                        m[r] = score
-                        l_sum[r] *= alpha
-                        for x in range(VW):
-                            acc[r, x] *= alpha
-                    p = ex2_approx(score - m[r])
-                    l_sum[r] += p
-                    for x in range(VW):
-                        acc[r, x] += p * v_row[x]
+        # Every lane of a warp makes the same trips (the score reductions are warp-wide shuffles);
+        # a lane group whose key is past the end computes a score it then ignores. A warp takes
+        # UNROLL · KEYS_PER_WARP keys per trip and issues all their loads before using any.
+        for first in range(start + warp * KEYS_PER_WARP * UNROLL, end, TILE):
+            for u in range(UNROLL):
+                t = first + u * KEYS_PER_WARP + lane // LANES
+                if t < end:
+                    if PAGED:
+                        page = min(max(page_table[b, t // page_size], 0), k.shape[0] - 1)
+                        pos = t % page_size
+                    else:
+                        page, pos = b, t
+                    fetch(k, page, h_kv, pos, sub, NCH, CPL, k_words, u)
+                    fetch(v, page, h_kv, pos, sub, NCHV, CPLV, v_words, u)
+            for u in range(UNROLL):
+                t = first + u * KEYS_PER_WARP + lane // LANES
+                valid = t < end
+                expand(k_words, u, sub, NCH, CPL, k_row)
+                expand(v_words, u, sub, NCHV, CPLV, v_row)
+                update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc)
 
         # merge the lane groups of a warp (they hold different keys, the same columns)
         offset = LANES
@@ -186,7 +274,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
         # then the warps, through shared memory
         m_s = cuda.shared.array((WARPS, ROWS), float32)
         l_s = cuda.shared.array((WARPS, ROWS), float32)
-        acc_s = cuda.shared.array((WARPS, ROWS, VW * LANES), float32)
+        acc_s = cuda.shared.array((STATE_ROWS, ACC_COLS), float32)
         if lane < LANES:
             for r in range(ROWS):
                 if lane == 0:
@@ -194,30 +282,9 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                     l_s[warp, r] = l_sum[r]
                 for j in range(CPLV):
                     for e in range(CHUNK):
-                        acc_s[warp, r, (sub + LANES * j) * CHUNK + e] = acc[r, j * CHUNK + e]
+                        acc_s[warp * ROWS + r, (sub + LANES * j) * CHUNK + e] = acc[r, j * CHUNK + e]
         cuda.syncthreads()
-        for idx in range(cuda.threadIdx.x, ROWS * DV, NUM_THREADS):
-            r, col = idx // DV, idx % DV
-            if row0 + r < G * SQ:
-                h, i = h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
-                m_all = m_s[0, r]
-                for w in range(1, WARPS):
-                    m_all = max(m_all, m_s[w, r])
-                total, value = _ZERO, _ZERO
-                if m_all != _NEG_INF:
-                    for w in range(WARPS):
-                        weight = ex2_approx(m_s[w, r] - m_all)
-                        total += l_s[w, r] * weight
-                        value += acc_s[w, r, col] * weight
-                out = value / total if total > _ZERO else _ZERO
-                if SPLIT:
-                    o_part[b, h, i, split, col] = out
-                    if col == 0:
-                        lse_part[b, h, i, split] = m_all + math.log2(total) if total > _ZERO else _NEG_INF
-                else:
-                    o[b, h, i, col] = narrow(out)
-                    if WRITE_LSE and col == 0:
-                        lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)
 
     return cuda.jit(kernel)
 
@@ -287,3 +354,221 @@ def merge_kernel(dtype, head_dim_v):
 
     return cuda.jit(kernel)
 
+
+
+# --------------------------------------------------------------------------
+# Tensor-core decode: the query rows of a KV head's group are the 16 rows of an mma tile
+# --------------------------------------------------------------------------
+
+MMA_ROWS = 16  # query rows per block (one m16 tile; a larger group takes several blocks)
+MMA_KEYS = 16  # keys per warp tile
+PAD = 8  # elements added to every shared-memory row (16-byte aligned rows, conflict-free ldmatrix)
+
+
+def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
+    """Whether the tensor-core decode kernel takes this dtype, these head dims and this alignment."""
+    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0 and vector_loads
+
+
+def decode_mma_shared_bytes(head_dim, head_dim_v, stages):
+    """Dynamic shared memory of ``decode_mma_kernel``: the Q tile and each warp's ring of K/V stages
+    (the warps' final states reuse it)."""
+    ring = WARPS * stages * MMA_KEYS * (head_dim + PAD + head_dim_v + PAD)
+    merge = WARPS * MMA_ROWS * head_dim_v * 2  # float32 accumulators, counted in 16-bit elements
+    return 2 * max(MMA_ROWS * (head_dim + PAD) + ring, merge)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_seqlens, split, write_lse, stages):
+    """Tensor-core (``mma.sync``) variant of ``decode_kernel``, same arguments and grid with ``rows = 16``.
+
+    A block's query rows (``group · Sq`` rows of one KV head, 16 at a time) are
+    the M side of m16n8k16 products. Each warp streams every fourth 16-key tile
+    of the block's split through its own ring of ``stages`` shared-memory
+    stages (``cp.async``, a warp-level barrier per tile, no block barrier in
+    the loop) and keeps its own online softmax; the warps merge at the end.
+    16-bit inputs with contiguous, 16-byte aligned rows; head dims multiples of 16.
+    """
+    D, DV, G, SQ, STAGES = head_dim, head_dim_v, group, seqlen_q, stages
+    IN_FLIGHT = STAGES - 1  # tiles a warp has in flight while it computes on one
+    PAGED, HAS_SEQLENS = paged, has_seqlens
+    KSTEPS, DTILES = D // 16, DV // 8
+    NTILES = MMA_KEYS // 8  # n8 score tiles of a key tile
+    Q_IN_REGISTERS = D <= 128  # wider Q fragments would leave too few registers for the accumulator
+    Q_FRAGS = KSTEPS if Q_IN_REGISTERS else 1
+    STATE_ROWS = WARPS * MMA_ROWS  # the warps' states in shared memory, warp-major
+    K_ROW, V_ROW = D + PAD, DV + PAD
+    Q_ELEMS = MMA_ROWS * K_ROW
+    STAGE = MMA_KEYS * (K_ROW + V_ROW)  # a stage: K tile, then V tile
+    WARP_RING = STAGES * STAGE
+    ROW_CHUNKS = -(-(G * SQ) // MMA_ROWS)
+    mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
+    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+    init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
+    finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
+
+    @cuda.jit(device=True, inline="always")
+    def copy_rows(dst, src, ncols, page_table, b, h_kv, first, end, lane):
+        """Start this warp's 16-byte copies of keys ``first .. first + 16`` of ``src`` into the tile
+        ``dst``; keys past ``end`` read 0. Lane ``l`` copies chunk ``l % chunks`` of rows
+        ``l // chunks + n · step`` (``step = 32 // chunks``: every lane busy when a row's chunks
+        divide 32), or, for rows of more than 32 chunks, chunks ``l + 32 n`` of every row."""
+        chunks = ncols // 8
+        step = 32 // chunks if chunks <= 32 else 1
+        page_size = src.shape[2]
+        for part in range(1 if chunks <= 32 else chunks // 32):
+            c = (lane % chunks) * 8 if chunks <= 32 else (lane + 32 * part) * 8
+            r0 = lane // chunks if chunks <= 32 else 0
+            # the page and offset of key first + r0, advanced row by row (no division per row)
+            t0 = first + r0
+            slot, pos = (t0 // page_size, t0 % page_size) if PAGED else (0, t0)
+            for n in range(MMA_KEYS // step):
+                r = r0 + n * step
+                t = first + r
+                valid = t < end and r < MMA_KEYS
+                page = b
+                if PAGED:
+                    page = min(max(page_table[b, slot], 0), src.shape[0] - 1) if valid else 0
+                cp_async_16(dst, r if r < MMA_KEYS else 0, c, src, (page, h_kv, pos if valid else 0, c), 16 if valid else 0)
+                pos += step
+                if PAGED:
+                    while pos >= page_size:
+                        pos -= page_size
+                        slot += 1
+
+    @cuda.jit(device=True, inline="always")
+    def copy_keys(smem, stage_off, k, v, page_table, b, h_kv, first, end, lane):
+        """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile)."""
+        copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, page_table, b, h_kv, first, end, lane)
+        copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, page_table, b, h_kv,
+                  first, end, lane)
+
+    @cuda.jit(device=True, inline="always")
+    def load_q_fragment(q_frag, slot, q_s, ks, mat, mrow):
+        """The A fragment of k-step ``ks`` of the Q tile into ``q_frag[slot]``."""
+        q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3] = ldmatrix_x4(
+            q_s, mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
+        )
+
+    @cuda.jit(device=True, inline="always")
+    def scale_and_mask(s, scale_log2, masked, n0, end, last_visible, row0, g, t):
+        """Scores into the log2 domain; when ``masked``, keys at or past ``end`` and, with several new
+        tokens, keys after ``last_visible + i`` for token ``i`` get -inf. (Two passes, so that the
+        unmasked tiles run no mask test.)"""
+        if masked:
+            for nt in range(MMA_KEYS // 8):
+                for e in range(4):
+                    col = n0 + 8 * nt + 2 * t + e % 2
+                    i = (row0 + g + 8 * (e // 2)) % SQ
+                    visible = col < end and (SQ == 1 or col <= last_visible + i)
+                    s[0, nt, e] = s[0, nt, e] * scale_log2 if visible else _NEG_INF
+        else:
+            for nt in range(MMA_KEYS // 8):
+                for e in range(4):
+                    s[0, nt, e] *= scale_log2
+
+    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        b = cuda.blockIdx.z
+        h_kv = cuda.blockIdx.y // ROW_CHUNKS
+        row0 = (cuda.blockIdx.y % ROW_CHUNKS) * MMA_ROWS
+        split, splits = cuda.blockIdx.x, cuda.gridDim.x
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        mat, mrow = lane // 8, lane % 8  # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
+        capacity = page_table.shape[1] * k.shape[2] if PAGED else k.shape[2]
+        seqlen = min(max(seqlens[b], 0), capacity) if HAS_SEQLENS else capacity
+        per_split = -(-seqlen // splits)
+        start, end = split * per_split, min(seqlen, (split + 1) * per_split)
+        n_tiles = max(0, -(-(end - start) // MMA_KEYS))
+        my_tiles = (n_tiles - warp + WARPS - 1) // WARPS  # this warp takes tiles warp, warp + WARPS, ...
+        ring = Q_ELEMS + warp * WARP_RING
+
+        q_s = tile_view(smem, 0, MMA_ROWS, K_ROW)
+        for idx in range(cuda.threadIdx.x, MMA_ROWS * (D // 8), NUM_THREADS):
+            r, c = idx // (D // 8), (idx % (D // 8)) * 8
+            valid = row0 + r < G * SQ
+            h = h_kv * G + (row0 + r) // SQ if valid else 0
+            cp_async_16(q_s, r, c, q, (b, h, (row0 + r) % SQ if valid else 0, c), 16 if valid else 0)
+        cp_async_commit()
+        for j in range(IN_FLIGHT):  # the first tiles, one commit group each
+            if j < my_tiles:
+                copy_keys(smem, ring + j * STAGE, k, v, page_table, b, h_kv, start + (warp + j * WARPS) * MMA_KEYS,
+                          end, lane)
+            cp_async_commit()
+        cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
+        cuda.syncthreads()
+
+        q_frag = cuda.local.array((Q_FRAGS, 4), uint32)
+        if Q_IN_REGISTERS:
+            for ks in range(KSTEPS):
+                load_q_fragment(q_frag, ks, q_s, ks, mat, mrow)
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        row_max = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((1, DTILES, 4), float32)
+        s = cuda.local.array((1, NTILES, 4), float32)
+        init(m_i, l_i, acc)
+
+        for j in range(my_tiles):
+            syncwarp()  # every lane is done with the stage refilled below
+            ahead = j + IN_FLIGHT
+            if ahead < my_tiles:
+                copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, page_table, b, h_kv,
+                          start + (warp + ahead * WARPS) * MMA_KEYS, end, lane)
+            cp_async_commit()
+            cp_async_wait_group(IN_FLIGHT)  # tile j has landed
+            syncwarp()
+            k_s = tile_view(smem, ring + (j % STAGES) * STAGE, MMA_KEYS, K_ROW)
+            v_s = tile_view(smem, ring + (j % STAGES) * STAGE + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW)
+
+            for nt in range(MMA_KEYS // 8):
+                for e in range(4):
+                    s[0, nt, e] = _ZERO
+            for ks in range(KSTEPS):  # S = Q Kᵀ: one ldmatrix gives the B fragments of both n8 tiles
+                slot = ks if Q_IN_REGISTERS else 0
+                if not Q_IN_REGISTERS:
+                    load_q_fragment(q_frag, 0, q_s, ks, mat, mrow)
+                b0, b1, b2, b3 = ldmatrix_x4(k_s, mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                a0, a1, a2, a3 = q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3]
+                s[0, 0, 0], s[0, 0, 1], s[0, 0, 2], s[0, 0, 3] = mma(a0, a1, a2, a3, b0, b1, s[0, 0, 0], s[0, 0, 1],
+                                                                     s[0, 0, 2], s[0, 0, 3])
+                s[0, 1, 0], s[0, 1, 1], s[0, 1, 2], s[0, 1, 3] = mma(a0, a1, a2, a3, b2, b3, s[0, 1, 0], s[0, 1, 1],
+                                                                     s[0, 1, 2], s[0, 1, 3])
+            n0 = start + (warp + j * WARPS) * MMA_KEYS
+            masked = n0 + MMA_KEYS > end or (SQ > 1 and n0 + MMA_KEYS - 1 > seqlen - SQ)
+            scale_and_mask(s, scale_log2, masked, n0, end, seqlen - SQ, row0, g, t)
+            if update(s, m_i, l_i, row_max, alpha):
+                rescale(acc, alpha)
+            # O += P V: the two score tiles are the A fragment of one k-step
+            p0, p1 = pack(s[0, 0, 0], s[0, 0, 1]), pack(s[0, 0, 2], s[0, 0, 3])
+            p2, p3 = pack(s[0, 1, 0], s[0, 1, 1]), pack(s[0, 1, 2], s[0, 1, 3])
+            for dp in range(DTILES // 2):
+                b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, mrow + 8 * (mat % 2), 16 * dp + 8 * (mat // 2))
+                n = 2 * dp
+                acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3] = mma(
+                    p0, p1, p2, p3, b0, b1, acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3])
+                acc[0, n + 1, 0], acc[0, n + 1, 1], acc[0, n + 1, 2], acc[0, n + 1, 3] = mma(
+                    p0, p1, p2, p3, b2, b3, acc[0, n + 1, 0], acc[0, n + 1, 1], acc[0, n + 1, 2], acc[0, n + 1, 3])
+
+        # the warps' states, through shared memory (the rings are free once every warp is here)
+        for half in range(2):
+            l_i[half] += shfl_xor_f32(l_i[half], 1)
+            l_i[half] += shfl_xor_f32(l_i[half], 2)
+        m_s = cuda.shared.array((WARPS, MMA_ROWS), float32)
+        l_s = cuda.shared.array((WARPS, MMA_ROWS), float32)
+        acc_s = tile_view(cuda.shared.array(0, float32), 0, STATE_ROWS, DV)
+        cuda.syncthreads()
+        for half in range(2):
+            r = g + 8 * half
+            if t == 0:
+                m_s[warp, r] = m_i[half]
+                l_s[warp, r] = l_i[half]
+            for dt in range(DTILES):
+                acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t] = acc[0, dt, 2 * half]
+                acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t + 1] = acc[0, dt, 2 * half + 1]
+        cuda.syncthreads()
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)
+
+    return cuda.jit(kernel)

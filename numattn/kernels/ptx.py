@@ -371,6 +371,17 @@ _bind(
 )
 
 
+def syncwarp():
+    """``syncwarp()``: barrier among the 32 lanes of the warp, ordering their shared-memory accesses.
+
+    Emits ``bar.warp.sync -1``.
+    """
+    _warp_gather(None)
+
+
+_bind(syncwarp, _statement_intrinsic("bar.warp.sync -1;"))
+
+
 def ballot(predicate):
     """``ballot(predicate) -> uint32``: bit ``l`` set when lane ``l``'s ``predicate`` is true; all 32 lanes take part.
 

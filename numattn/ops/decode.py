@@ -9,7 +9,7 @@ split-KV flash decoding.
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numba
 import numpy as np
@@ -29,7 +29,19 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
-from ..kernels.decode import NUM_THREADS, combine_kernel, decode_geometry, decode_kernel, merge_kernel
+from ..kernels.decode import (
+    MMA_KEYS,
+    MMA_ROWS,
+    NUM_THREADS,
+    WARPS,
+    combine_kernel,
+    decode_geometry,
+    decode_kernel,
+    decode_mma_kernel,
+    decode_mma_shared_bytes,
+    decode_mma_supported,
+    merge_kernel,
+)
 from ..kernels.launch import compiled, device_limits, flatten_array
 
 MAX_HEAD_DIM = 256
@@ -257,36 +269,59 @@ def _check_values(p, page_table, seqlens):
         raise ValueError(f"page_table[{b}, {j}] = {table[b, j]} is not a page index in [0, {num_pages})")
 
 
-def _splits(p, rows):
-    """Key splits per (sequence, KV head, row chunk): enough blocks to fill the GPU, at least 256 keys each."""
+def _splits(p, rows, blocks_per_sm, min_keys, sms):
+    """``(splits, row_chunks)``: key splits per (sequence, KV head, chunk of query rows).
+
+    Time goes as the waves of blocks times the keys per block, ``ceil(blocks / slots) / splits``
+    with ``slots = blocks_per_sm · sms``; the fewest splits that minimise it win (each split adds
+    partial results to combine), with at least ``min_keys`` keys per split.
+    """
     row_chunks = -(-(p.heads_q // p.heads_kv * p.seqlen_q) // rows)
     work = p.batch * p.heads_kv * row_chunks
-    sms = 1 if SIMULATOR or p.device is None else device_limits(p.device)["sms"]
-    wanted = -(-8 * sms // work)
-    return max(1, min(wanted, -(-p.capacity // 256))), row_chunks
+    slots = blocks_per_sm * sms
+    most = max(1, min(-(-p.capacity // min_keys), -(-4 * slots // work)))
+    best = min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
+    return best, row_chunks
 
 
 class _Plan:
-    """Kernels, grid and argument layout of one decode problem; launches on device pointers or numpy views."""
+    """Kernels, grid and argument layout of one decode problem.
+
+    The tensor-core kernel where it applies (fp16/bf16, head dims multiples of
+    16, 16-byte aligned rows, sm_80+), the CUDA-core kernel otherwise.
+    """
 
     def __init__(self, p, splits=None):
         self.problem = p
+        limits = device_limits(0 if p.device is None else p.device)
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
-        *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
-        rows = min(rows, group * p.seqlen_q)
-        auto_splits, row_chunks = _splits(p, rows)
+        split_args = None
+        if decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0):
+            fitting = [n for n in (3, 2) if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
+            if fitting:
+                self.stages, rows = fitting[0], MMA_ROWS
+                self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages)
+                split_args = (2, 4 * WARPS * MMA_KEYS)
+        if split_args is None:
+            self.stages, self.shared_bytes = None, 0
+            *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
+            rows = min(rows, group * p.seqlen_q)
+            split_args = (16, 128)
+        auto_splits, row_chunks = _splits(p, rows, *split_args, limits["sms"])
         self.splits = splits or auto_splits
         split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
-        self.decode = decode_kernel(
-            p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, p.page_table is not None,
-            p.seqlens is not None, split, p.return_lse, vector,
-        )
+        common = (p.page_table is not None, p.seqlens is not None, split, p.return_lse)
+        if self.stages is not None:
+            self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, *common, self.stages)
+        else:
+            self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, *common, vector)
         self.combine = combine_kernel(p.dtype, p.head_dim_v, p.return_lse) if split else None
         self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
-        self.label = f"decode {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} rows={rows} " \
-                     f"paged={p.page_table is not None} splits={self.splits} vector={vector}"
+        kind = f"mma stages={self.stages}" if self.stages else f"simt rows={rows} vector={vector}"
+        self.label = (f"decode {kind} {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} "
+                      f"paged={p.page_table is not None} splits={self.splits}")
 
     def arrays(self):
         """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""
@@ -317,7 +352,7 @@ class _DevicePlan(_Plan):
             types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), types.Array(storage, 4, "A"),
             types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), f32,
         )
-        kernel = compiled(self.decode, argtypes, p.device, 0, self.label)
+        kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = [], []
         for shape, strides, size in self.arrays():
             slots.append(len(fields) + 4)
@@ -396,8 +431,8 @@ class _CaiPlan(_DevicePlan):
 
 
 class _HostPlan(_Plan):
-    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine the arrays are
-    copied to the device and back."""
+    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine contiguous
+    copies go to the device and the result comes back."""
 
     def __call__(self, q, k, v, page_table, seqlens):
         p = self.problem
@@ -409,35 +444,43 @@ class _HostPlan(_Plan):
             storage = host_storage(x, a.op) if a.op.dtype in FLOAT_DTYPES else _index_values(x)
             item = storage.itemsize
             views.append(np.lib.stride_tricks.as_strided(storage, a.shape, tuple(s * item for s in a.strides)))
+        if not SIMULATOR:
+            return self._on_device(q, views)
         out = np.empty(p.out_shape, storage_dtype(p.dtype))
         item = out.itemsize
         o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
-        lse = np.empty(p.lse_shape, np.float32) if p.return_lse else np.empty((1, 1, 1), np.float32)
+        lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), np.float32)
         split = self.combine is not None
         part = np.empty(self.part_shape if split else (1,) * 5, np.float32)
         part_lse = np.empty(self.part_shape[:4] if split else (1,) * 4, np.float32)
         table = views[3] if views[3] is not None else np.zeros((1, 1), np.int32)
         lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
-        args = [views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse]
-        if SIMULATOR:
-            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-            self.decode[self.grid, NUM_THREADS](*(FakeCUDAArray(a) for a in args), np.float32(p.scale * _LOG2E))
-            if split:
-                self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](
-                    FakeCUDAArray(part), FakeCUDAArray(part_lse), FakeCUDAArray(o4), FakeCUDAArray(lse)
-                )
-        else:
-            device_args = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
-            self.decode[self.grid, NUM_THREADS](*device_args, np.float32(p.scale * _LOG2E))
-            if split:
-                self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](
-                    device_args[7], device_args[8], device_args[5], device_args[6]
-                )
-            o4[...] = device_args[5].copy_to_host()
-            lse = device_args[6].copy_to_host()
+        args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse)]
+        self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * _LOG2E))
+        if split:
+            self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](args[7], args[8], args[5], args[6])
         result = wrap_host(out, q, p.dtype)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
+
+    def _on_device(self, q, views):
+        p = self.problem
+        device = cuda.get_current_device().id
+        arrays = [None if x is None else cuda.to_device(np.ascontiguousarray(x)) for x in views]
+
+        def moved(a, x):
+            op = replace(a.op, kind="numba", device=device, ptr=0, strides=contiguous_strides(x.shape))
+            return _Array(op, x.shape, op.strides)
+
+        fields = {name: moved(getattr(p, name), x) for name, x in zip(("q", "k", "v", "page_table", "seqlens"), arrays)
+                  if x is not None}
+        plan = _CaiPlan(replace(p, device=device, **fields), self.splits)
+        result = plan(*arrays)
+        if p.return_lse:
+            o, lse = result
+            return wrap_host(o.copy_to_host(), q, p.dtype), wrap_host(lse.copy_to_host(), q, "float32")
+        return wrap_host(result.copy_to_host(), q, p.dtype)
 
 
 def _make_plan(p, splits=None):
