@@ -154,6 +154,15 @@ def cai_stream(x):
     return stream or 0
 
 
+def torch_current():
+    """``(device, stream)``: torch's cheapest getters of the current CUDA device and of the raw handle
+    of its current stream on a device (private fast paths where torch has them)."""
+    torch = _torch()
+    device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return device, raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+
+
 def storage_dtype(dtype):
     """numpy dtype that carries elements of ``dtype`` inside kernels (16-bit floats as uint16)."""
     return np.dtype(_STORAGE[dtype])

@@ -143,6 +143,8 @@ def test_bad_input_errors(rng):
         numattn.decode(_random(rng, (2, 3, 32), "float32"), k, k)
     with pytest.raises(ValueError, match="kv_layout must be"):
         numattn.paged_decode(q, pages, pages, table, np.array([3, 5], np.int32), kv_layout="nhwd")
+    with pytest.raises(TypeError, match="check must be a bool"):
+        numattn.decode(q, k, k, check="yes")
     with pytest.raises(TypeError, match="share one dtype"):
         numattn.decode(q, k.astype(np.float16), k.astype(np.float16))
     # entries past a sequence's last page are not used, so not checked

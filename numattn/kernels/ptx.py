@@ -129,6 +129,14 @@ def _bind_wait_group(twin, mnemonic):
         return impl
 
 
+def _global_address(context, builder, array_type, array, index_type, index):
+    """64-bit address of ``array[index]`` (``index`` a tuple with one integer per axis)."""
+    values = cgutils.unpack_tuple(builder, index, len(index_type))
+    indices = [context.cast(builder, v, t, types.intp) for v, t in zip(values, index_type)]
+    ptr = cgutils.get_item_pointer(context, builder, array_type, make_array(array_type)(context, builder, array), indices)
+    return builder.ptrtoint(ptr, _i64)
+
+
 def _unpack_struct(context, builder, sig, value, count):
     """An inline-asm struct result as the numba tuple ``sig.return_type``."""
     return context.make_tuple(builder, sig.return_type, [builder.extract_value(value, i) for i in range(count)])
@@ -589,19 +597,14 @@ def _cp_async_16(typingctx, dst, row, col, src, index, nbytes):
     def codegen(context, builder, sig, args):
         dst_type, row_type, col_type, src_type, index_type, nbytes_type = sig.args
         shared = _shared_address(context, builder, dst_type, args[0], (args[1], row_type), (args[2], col_type))
-        source = make_array(src_type)(context, builder, args[3])
-        indices = [
-            context.cast(builder, v, t, types.intp)
-            for v, t in zip(cgutils.unpack_tuple(builder, args[4], len(index_type)), index_type)
-        ]
-        ptr = cgutils.get_item_pointer(context, builder, src_type, source, indices)
+        ptr = _global_address(context, builder, src_type, args[3], index_type, args[4])
         size = context.cast(builder, args[5], nbytes_type, types.int32)
         _asm(
             builder,
             "cp.async.cg.shared.global [$0], [$1], 16, $2;",
             "r,l,r,~{memory}",
             ir.VoidType(),
-            [shared, builder.ptrtoint(ptr, _i64), size],
+            [shared, ptr, size],
             side_effect=True,
         )
         return context.get_dummy_value()
@@ -657,18 +660,13 @@ def _load_16(typingctx, src, index):
 
     def codegen(context, builder, sig, args):
         src_type, index_type = sig.args
-        source = make_array(src_type)(context, builder, args[0])
-        indices = [
-            context.cast(builder, v, t, types.intp)
-            for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)
-        ]
-        ptr = cgutils.get_item_pointer(context, builder, src_type, source, indices)
+        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1])
         words = _asm(
             builder,
             "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
             "=r,=r,=r,=r,l",
             ir.LiteralStructType([_i32] * 4),
-            [builder.ptrtoint(ptr, _i64)],
+            [ptr],
         )
         return _unpack_struct(context, builder, sig, words, 4)
 
@@ -737,18 +735,13 @@ def _copy_16_to_global(typingctx, dst, index, src, row, col):
     def codegen(context, builder, sig, args):
         dst_type, index_type, src_type, row_type, col_type = sig.args
         shared = _shared_address(context, builder, src_type, args[2], (args[3], row_type), (args[4], col_type))
-        target = make_array(dst_type)(context, builder, args[0])
-        indices = [
-            context.cast(builder, v, t, types.intp)
-            for v, t in zip(cgutils.unpack_tuple(builder, args[1], len(index_type)), index_type)
-        ]
-        ptr = cgutils.get_item_pointer(context, builder, dst_type, target, indices)
+        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1])
         _asm(
             builder,
             "{ .reg .b32 w<4>; ld.shared.v4.b32 {w0, w1, w2, w3}, [$0]; st.global.v4.b32 [$1], {w0, w1, w2, w3}; }",
             "r,l,~{memory}",
             ir.VoidType(),
-            [shared, builder.ptrtoint(ptr, _i64)],
+            [shared, ptr],
             side_effect=True,
         )
         return context.get_dummy_value()

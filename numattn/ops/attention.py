@@ -19,6 +19,7 @@ from .._arrays import (
     host_storage,
     is_torch,
     storage_dtype,
+    torch_current,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
@@ -252,9 +253,7 @@ class _TorchPlan(_DevicePlan):
         import torch
 
         self._torch = torch
-        self._get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        self._get_device, self._stream = torch_current()
         # torch.empty_like is torch's cheapest allocation (about half the host time
         # of torch.empty with dtype and device). Its templates are stride-0 views of
         # one element, whose empty_like is contiguous: 4 bytes kept per plan.

@@ -26,6 +26,7 @@ from .._arrays import (
     host_storage,
     is_torch,
     storage_dtype,
+    torch_current,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
@@ -171,19 +172,25 @@ def _common_checks(q_op, q4, k_op, v_op, k4, v4):
             raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {d}")
 
 
+def _caches(q_op, q4, k, v, names, text, axes):
+    """Operands and ``[pages, Hkv, page_size, D]`` views of a key and a value cache, checked against q."""
+    k_op, v_op = describe(k, names[0]), describe(v, names[1])
+    for name, op in zip(names, (k_op, v_op)):
+        _check_float(op, name, (4,), text)
+    k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
+    _common_checks(q_op, q4, k_op, v_op, k4, v4)
+    return k4, v4
+
+
 def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse):
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     q_op, q4, squeezed = _query(q, layout)
-    cache_text = "(batch, heads, max_seqlen, head_dim)" if layout == "bhsd" else "(batch, max_seqlen, heads, head_dim)"
-    k_op, v_op = describe(k_cache, "k_cache"), describe(v_cache, "v_cache")
+    text = "(batch, heads, max_seqlen, head_dim)" if layout == "bhsd" else "(batch, max_seqlen, heads, head_dim)"
     axes = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
-    for name, op in (("k_cache", k_op), ("v_cache", v_op)):
-        _check_float(op, name, (4,), cache_text)
-    k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
-    _common_checks(q_op, q4, k_op, v_op, k4, v4)
+    k4, v4 = _caches(q_op, q4, k_cache, v_cache, ("k_cache", "v_cache"), text, axes)
     if k4.shape[0] != q4.shape[0]:
         raise ValueError(f"k_cache must have q's batch size {q4.shape[0]}, got {k4.shape[0]}")
     seq = None
@@ -202,13 +209,9 @@ def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, 
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     q_op, q4, squeezed = _query(q, "bhsd")
-    pages_text = "(num_pages, page_size, heads, head_dim)" if kv_layout == "nhd" else "(num_pages, heads, page_size, head_dim)"
-    k_op, v_op = describe(k_pages, "k_pages"), describe(v_pages, "v_pages")
+    text = "(num_pages, page_size, heads, head_dim)" if kv_layout == "nhd" else "(num_pages, heads, page_size, head_dim)"
     axes = (0, 2, 1, 3) if kv_layout == "nhd" else (0, 1, 2, 3)
-    for name, op in (("k_pages", k_op), ("v_pages", v_op)):
-        _check_float(op, name, (4,), pages_text)
-    k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
-    _common_checks(q_op, q4, k_op, v_op, k4, v4)
+    k4, v4 = _caches(q_op, q4, k_pages, v_pages, ("k_pages", "v_pages"), text, axes)
     batch = q4.shape[0]
     t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
     _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, q_op.device)
@@ -387,8 +390,7 @@ class _TorchPlan(_DevicePlan):
         import torch
 
         self._torch = torch
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._stream = raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
+        self._get_device, self._stream = torch_current()
         device = torch.device("cuda", p.device)
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=device)
         f32 = one.float()
@@ -399,6 +401,9 @@ class _TorchPlan(_DevicePlan):
         self._part_lse = f32.expand(self.part_shape[:4]) if split else None
 
     def __call__(self, q, k, v, page_table, seqlens):
+        if self._get_device() != self.problem.device:
+            with self._torch.cuda.device(self.problem.device):
+                return self(q, k, v, page_table, seqlens)
         empty_like = self._torch.empty_like
         out = empty_like(self._out)
         lse = empty_like(self._lse) if self._lse is not None else None
@@ -508,6 +513,8 @@ def _signature(x):
 
 
 def _run(kind, validate, arrays, options, check):
+    if check.__class__ is not bool and not isinstance(check, np.bool_):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
     try:
         key = (kind, *(_signature(x) for x in arrays), *((type(o), o) for o in options))
         hash(key)
