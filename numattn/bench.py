@@ -4,7 +4,9 @@
 events around each call, L2 flushed before each, after warm-up) and TFLOP/s of
 numattn and of SDPA's flash, cuDNN and memory-efficient backends on the same
 inputs, then the host overhead per call: back-to-back calls on tiny inputs
-timed with a host clock, next to torch's own per-op overhead.
+timed with a host clock, next to torch's own per-op overhead. With ``--decode``
+it adds the decode targets: ``decode`` and ``paged_decode`` (pages of 1, 16 and
+64 keys) against SDPA's GQA backends, in µs and effective GB/s.
 """
 
 import json
@@ -312,11 +314,16 @@ def main(args):
     print("host overhead per call (µs, median of back-to-back calls on tiny inputs):")
     for name, us in overhead.items():
         print(f"  {name:32} {us:7.2f}")
+    results = {"device": device, "matmul_tflops": peak, "attention": rows, "host_overhead_us": overhead}
+    if args.decode:
+        results["decode"] = bench_decode()
+        print_decode_table(results["decode"])
+        results["decode_host_overhead_us"] = bench_decode_host_overhead()
+        print("decode host overhead per call (µs, tiny cache):")
+        for name, us in results["decode_host_overhead_us"].items():
+            print(f"  {name:32} {us:7.2f}")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                {"device": device, "matmul_tflops": peak, "attention": rows, "host_overhead_us": overhead}, f, indent=1,
-                default=str,
-            )
+            json.dump(results, f, indent=1, default=str)
     return 0

@@ -43,7 +43,7 @@ def _lengths(rng, batch, capacity):
         ("float16", 3, 1, 64, 64, "bhsd", 3),
         ("bfloat16", 1, 1, 128, 64, "bshd", 1),
         ("float32", 8, 1, 32, 32, "bhsd", 2),
-        ("float16", 2, 3, 64, 64, "bshd", 2),  # speculative: 3 new tokens, causal among them
+        ("float16", 2, 3, 64, 128, "bshd", 2),  # speculative: 3 new tokens, causal among them; head_dim_v > head_dim
         ("float16", 2, 1, 36, 40, "bhsd", 2),  # head dims off the 16-byte loads: element loads
     ],
 )

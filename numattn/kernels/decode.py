@@ -1,19 +1,25 @@
 """Split-KV decode (flash decoding): a few query rows against a long, possibly paged, KV cache.
 
-Decode is memory-bound, so the kernel is built around reading every K/V byte
-once, 16 bytes per load. A block owns one (batch, KV head, split of the keys)
-and up to ``ROWS`` query rows of that KV head's group (query heads × new
-tokens), so all the rows share each K/V load. A key's head dim is spread over
-``LANES`` lanes, 16 bytes each (``CHUNK`` elements), and a warp holds
-``32 / LANES`` keys at a time: every such lane group runs its own online
-softmax over its keys (no exchange per key except the ``log2 LANES``-step
-shuffle reduction of each score), and the groups, then the warps, merge their
-states at the end. With one split the block writes the output; with several it
+Decode is memory-bound: every K/V byte should be read once, at full bandwidth.
+A block owns one (batch, KV head, split of the keys) and a chunk of that KV
+head's group of query rows (query heads × new tokens), so all those rows share
+each K/V load. With one split the block writes the output; with several it
 writes an fp32 partial output and its log2-sum-exp per split, and
-``combine_kernel`` merges them.
+``combine_kernel`` merges them (``merge_kernel`` is the same merge for two
+states given by the user).
+
+* ``decode_mma_kernel`` (fp16/bf16, head dims multiples of 16, aligned rows):
+  the rows are the 16 M rows of ``mma.sync`` products; each warp streams its
+  share of 16-key tiles through its own ``cp.async`` ring and keeps its own
+  online softmax; the warps merge at the end.
+* ``decode_kernel`` (CUDA cores, everything else): a key's head dim is spread
+  over ``LANES`` lanes, 16 bytes (or one element) each, and a warp holds
+  ``32 / LANES`` keys at a time; every lane group runs its own online softmax
+  over its keys (a ``log2 LANES``-step shuffle reduction per score), with
+  ``UNROLL`` keys' loads in flight, and the groups, then the warps, merge.
 
 Keys live in a 4-D array ``k[page, head, position, dim]`` with any strides: a
-contiguous cache is the case of one page per sequence (``PAGED`` false, page =
+contiguous cache is the case of one page per sequence (``paged`` false, page =
 batch index), a paged cache looks up ``page_table[b, t // page_size]``.
 Page indices are clamped into the page array and lengths into the capacity, so
 bad indices never read outside the caches (the host checks them first).
@@ -51,7 +57,6 @@ NUM_THREADS = 128
 WARPS = NUM_THREADS // 32
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
-_ONE = np.float32(1.0)
 _LN2 = np.float32(math.log(2.0))
 _REGISTER_FLOATS = 32  # per lane and row: query and accumulator entries kept in registers
 UNROLL = 4  # keys per lane group whose loads are in flight together
