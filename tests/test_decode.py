@@ -187,3 +187,17 @@ def test_decode_cuda_graph_capture(rng):
         graph.replay()
         torch.cuda.synchronize()
         assert max_error(out, reference.decode(q, k, v, seqlens=lengths)) <= ATOL["float16"]
+
+
+def test_decode_from_numpy_and_numba(rng):
+    """Host arrays (on a GPU machine copied to the device and back) and numba device arrays."""
+    from numba import cuda
+
+    q = _random(rng, (2, 8, 64), "float16")
+    k, v = _random(rng, (2, 2, 300, 64), "float16"), _random(rng, (2, 2, 300, 64), "float16")
+    lengths = np.array([300, 17], np.int32)
+    ref = reference.decode(q, k, v, seqlens=lengths)
+    assert max_error(numattn.decode(q, k, v, seqlens=lengths), ref) <= ATOL["float16"]
+    on_device = [cuda.to_device(x) for x in (q, k, v, lengths)]
+    o = numattn.decode(*on_device[:3], seqlens=on_device[3])
+    assert max_error(o.copy_to_host(), ref) <= ATOL["float16"]

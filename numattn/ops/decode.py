@@ -246,6 +246,8 @@ def _index_values(x):
         return x.detach().cpu().numpy()
     if isinstance(x, np.ndarray):
         return x
+    if hasattr(x, "copy_to_host"):  # numba device arrays, the simulator's included
+        return x.copy_to_host()
     return cuda.as_cuda_array(x).copy_to_host()
 
 
@@ -490,7 +492,7 @@ class _HostPlan(_Plan):
 
 def _make_plan(p, splits=None):
     ops = [a.op for a in (p.q, p.k, p.v, p.page_table, p.seqlens) if a is not None]
-    if p.device is None:
+    if p.device is None or SIMULATOR:  # the simulator's device arrays are numpy arrays underneath
         return _HostPlan(p, splits)
     if all(op.kind == "torch" for op in ops):
         return _TorchPlan(p, splits)
