@@ -45,6 +45,7 @@ def _lengths(rng, batch, capacity):
         ("float32", 8, 1, 32, 32, "bhsd", 2),
         ("float16", 2, 3, 64, 128, "bshd", 2),  # speculative: 3 new tokens, causal among them; head_dim_v > head_dim
         ("float16", 2, 1, 36, 40, "bhsd", 2),  # head dims off the 16-byte loads: element loads
+        ("bfloat16", 2, 1, 96, 48, "bhsd", 2),  # tensor cores, rows of 12 and 6 chunks (not dividing a warp)
     ],
 )
 def test_decode_matches_reference(rng, splits, dtype, group, seqlen_q, head_dim, head_dim_v, layout, split_count):
@@ -74,10 +75,13 @@ def test_decode_whole_cache_and_scale(rng):
     assert max_error(numattn.decode(q, k, v, scale=0.3), reference.decode(q, k, v, scale=0.3)) <= ATOL["float32"]
 
 
-@pytest.mark.parametrize("page_size, kv_layout, dtype", [(1, "nhd", "float16"), (16, "hnd", "bfloat16"), (5, "nhd", "float32")])
-def test_paged_decode_matches_reference(rng, splits, page_size, kv_layout, dtype):
+@pytest.mark.parametrize(
+    "page_size, kv_layout, dtype, head_dim",
+    [(1, "nhd", "float16", 64), (16, "hnd", "bfloat16", 64), (5, "nhd", "float32", 64), (3, "nhd", "float16", 80)],
+)
+def test_paged_decode_matches_reference(rng, splits, page_size, kv_layout, dtype, head_dim):
     splits(2)
-    batch, heads_q, heads_kv, head_dim, max_pages = 3, 4, 2, 64, 9
+    batch, heads_q, heads_kv, max_pages = 3, 4, 2, 9
     num_pages = batch * max_pages + 4
     pages = (num_pages, page_size, heads_kv, head_dim) if kv_layout == "nhd" else (num_pages, heads_kv, page_size, head_dim)
     k, v = _random(rng, pages, dtype), _random(rng, pages, dtype)

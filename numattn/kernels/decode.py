@@ -415,31 +415,39 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     @cuda.jit(device=True, inline="always")
     def copy_rows(dst, src, ncols, page_table, b, h_kv, first, end, lane):
         """Start this warp's 16-byte copies of keys ``first .. first + 16`` of ``src`` into the tile
-        ``dst``; keys past ``end`` read 0. Lane ``l`` copies chunk ``l % chunks`` of rows
-        ``l // chunks + n · step`` (``step = 32 // chunks``: every lane busy when a row's chunks
-        divide 32), or, for rows of more than 32 chunks, chunks ``l + 32 n`` of every row."""
+        ``dst``; keys past ``end`` read 0. When a row's ``chunks`` divide 32, lane ``l`` copies chunk
+        ``l % chunks`` of rows ``l // chunks + n · step`` (``step = 32 // chunks``, compile-time trip
+        counts, every lane busy) and walks its rows' page offsets without a division per row;
+        otherwise the lanes take the tile's chunks in turn."""
         chunks = ncols // 8
-        step = 32 // chunks if chunks <= 32 else 1
         page_size = src.shape[2]
-        for part in range(1 if chunks <= 32 else chunks // 32):
-            c = (lane % chunks) * 8 if chunks <= 32 else (lane + 32 * part) * 8
-            r0 = lane // chunks if chunks <= 32 else 0
-            # the page and offset of key first + r0, advanced row by row (no division per row)
+        if 32 % chunks == 0:
+            step = 32 // chunks
+            c, r0 = (lane % chunks) * 8, lane // chunks
             t0 = first + r0
             slot, pos = (t0 // page_size, t0 % page_size) if PAGED else (0, t0)
             for n in range(MMA_KEYS // step):
                 r = r0 + n * step
-                t = first + r
-                valid = t < end and r < MMA_KEYS
+                valid = first + r < end
                 page = b
                 if PAGED:
                     page = min(max(page_table[b, slot], 0), src.shape[0] - 1) if valid else 0
-                cp_async_16(dst, r if r < MMA_KEYS else 0, c, src, (page, h_kv, pos if valid else 0, c), 16 if valid else 0)
+                cp_async_16(dst, r, c, src, (page, h_kv, pos if valid else 0, c), 16 if valid else 0)
                 pos += step
                 if PAGED:
                     while pos >= page_size:
                         pos -= page_size
                         slot += 1
+        else:
+            for i in range(lane, MMA_KEYS * chunks, 32):
+                r, c = i // chunks, (i % chunks) * 8
+                t = first + r
+                valid = t < end
+                page, pos = b, t if valid else 0
+                if PAGED:
+                    page = min(max(page_table[b, t // page_size], 0), src.shape[0] - 1) if valid else 0
+                    pos = t % page_size if valid else 0
+                cp_async_16(dst, r, c, src, (page, h_kv, pos, c), 16 if valid else 0)
 
     @cuda.jit(device=True, inline="always")
     def copy_keys(smem, stage_off, k, v, page_table, b, h_kv, first, end, lane):
