@@ -181,7 +181,8 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
 
     @cuda.jit(device=True, inline="always")
     def merge(m, l_sum, m_other, l_other):
-        """Weights ``(a, b)`` that rescale two softmax states with maxima ``m``, ``m_other`` to their joint max."""
+        """``(a, c, m_new)``: the weights that rescale two softmax states with maxima ``m`` and
+        ``m_other`` to their joint maximum ``m_new`` (both 0 when neither state saw a key)."""
         m_new = max(m, m_other)
         if m_new == _NEG_INF:  # both states saw no key
             return _ZERO, _ZERO, m_new

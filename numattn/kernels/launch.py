@@ -68,6 +68,16 @@ def flatten_array(ptr, shape, strides, itemsize):
     return (0, 0, nitems, itemsize, ptr, *shape, *(s * itemsize for s in strides))
 
 
+def array_fields(arrays):
+    """``(fields, slots)``: the flattened fields of arrays given as ``(shape, strides, itemsize)``
+    with null data pointers, and the index of each array's data-pointer field among them."""
+    fields, slots = [], []
+    for shape, strides, itemsize in arrays:
+        slots.append(len(fields) + 4)  # (meminfo, parent, nitems, itemsize, data, ...)
+        fields.extend(flatten_array(0, shape, strides, itemsize))
+    return fields, slots
+
+
 LOADED = []
 """Every ``CompiledKernel`` loaded in this process, for resource reports."""
 

@@ -26,14 +26,14 @@ from .._cuda import SIMULATOR, cuda
 from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_supported
 from ..kernels.attention_simt import SimtConfig, choose_simt_config, simt_attention_kernel
 from ..kernels.attention_wgmma import WgmmaConfig, choose_wgmma_config, wgmma_attention_kernel, wgmma_supported
-from ..kernels.launch import compiled, device_limits, flatten_array
+from ..kernels.launch import array_fields, compiled, device_limits
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
 _LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
 _LAYOUT_DIMS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seqlen, heads, head_dim)"}
 MAX_HEAD_DIM = 256
 _MAX_GRID = 2**31 - 1
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -132,13 +132,7 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
         if d > MAX_HEAD_DIM:
             raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {d}")
 
-    if scale is None:
-        scale = 1.0 / math.sqrt(dq)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-
+    scale = softmax_scale(scale, dq)
     q_op = ops["q"]
     problem = Problem(
         bq, hq, hk, sq, sk, dq, dv, q_op.dtype, q_op.device, bool(causal), float(scale), layout,
@@ -154,6 +148,18 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
             raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
         problem = replace(problem, out=out_op)
     return problem
+
+
+def softmax_scale(scale, head_dim):
+    """The softmax scale as a float: ``1 / sqrt(head_dim)`` for None; TypeError or ValueError for
+    anything but a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
 
 
 _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, WgmmaConfig: wgmma_attention_kernel}
@@ -222,11 +228,8 @@ class _DevicePlan:
             (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize),
             (p.lse_shape, contiguous_strides(p.lse_shape), 4),
         ]
-        fields, slots = [], []
-        for shape, strides, size in arrays:
-            slots.append(len(fields) + 4)  # the data pointer's place among the array's fields
-            fields.extend(flatten_array(0, shape, strides, size))
-        fields.append(np.float32(p.scale * _LOG2E))
+        fields, slots = array_fields(arrays)
+        fields.append(np.float32(p.scale * LOG2E))
         self.launch = kernel.prepare(grid, threads, fields, slots)  # (stream, q, k, v, o, lse)
 
     def __call__(self, q, k, v, out):
@@ -322,7 +325,7 @@ class _SimulatorPlan:
         o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
         self.kernel.launch_arrays(
-            self.grid, self.block, *views, o.transpose(axes), lse, np.float32(p.scale * _LOG2E)
+            self.grid, self.block, *views, o.transpose(axes), lse, np.float32(p.scale * LOG2E)
         )
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result

@@ -8,7 +8,6 @@ split-KV flash decoding.
 """
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
 import numba
@@ -43,10 +42,8 @@ from ..kernels.decode import (
     decode_mma_supported,
     merge_kernel,
 )
-from ..kernels.launch import compiled, device_limits, flatten_array
-
-MAX_HEAD_DIM = 256
-_LOG2E = math.log2(math.e)
+from ..kernels.launch import array_fields, compiled, device_limits
+from .attention import LOG2E, MAX_HEAD_DIM, softmax_scale
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
 
@@ -117,16 +114,6 @@ def _check_index(op, name, shape_text, ndim, device):
 
 def _where(device):
     return "host memory" if device is None else f"GPU {device}"
-
-
-def _scale(scale, head_dim):
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
 
 
 def _query(q, layout):
@@ -235,7 +222,7 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
         out_shape = (batch, seqlen_q, heads_q, head_dim_v)
     return DecodeProblem(
         batch, heads_q, k4.shape[1], seqlen_q, head_dim, head_dim_v, q_op.dtype, q_op.device,
-        _scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
+        softmax_scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
         _output_view(out_shape, layout, squeezed), capacity,
     )
 
@@ -358,22 +345,16 @@ class _DevicePlan(_Plan):
             types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), f32,
         )
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
-        fields, slots = [], []
-        for shape, strides, size in self.arrays():
-            slots.append(len(fields) + 4)
-            fields.extend(flatten_array(0, shape, strides, size))
-        fields.append(np.float32(p.scale * _LOG2E))
+        arrays = self.arrays()
+        fields, slots = array_fields(arrays)
+        fields.append(np.float32(p.scale * LOG2E))
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
         self.launch_combine = None
         if self.combine is not None:
             ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
                       types.Array(f32, 3, "A"))
             combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
-            arrays = self.arrays()
-            fields, slots = [], []
-            for shape, strides, size in (arrays[7], arrays[8], arrays[5], arrays[6]):
-                slots.append(len(fields) + 4)
-                fields.extend(flatten_array(0, shape, strides, size))
+            fields, slots = array_fields((arrays[7], arrays[8], arrays[5], arrays[6]))  # o_part, lse_part, o, lse
             rows = p.batch * p.heads_q * p.seqlen_q
             self.launch_combine = combine.prepare(rows, NUM_THREADS, fields, slots)
 
@@ -465,7 +446,7 @@ class _HostPlan(_Plan):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse)]
-        self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * _LOG2E))
+        self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
         if split:
             self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](args[7], args[8], args[5], args[6])
         result = wrap_host(out, q, p.dtype)
@@ -703,8 +684,5 @@ def _merge_launch(dtype, head_dim_v, rows, device):
     o_type, lse_type = types.Array(storage, 2, "A"), types.Array(types.float32, 1, "A")
     kernel = compiled(merge_kernel(dtype, head_dim_v), (o_type, lse_type) * 3, device, 0, f"merge {dtype} dv={head_dim_v}")
     item = storage_dtype(dtype).itemsize
-    fields, slots = [], []
-    for shape, strides, size in (((rows, head_dim_v), (head_dim_v, 1), item), ((rows,), (1,), 4)) * 3:
-        slots.append(len(fields) + 4)
-        fields.extend(flatten_array(0, shape, strides, size))
+    fields, slots = array_fields((((rows, head_dim_v), (head_dim_v, 1), item), ((rows,), (1,), 4)) * 3)
     return kernel.prepare(rows, NUM_THREADS, fields, slots)
