@@ -368,7 +368,24 @@ def merge_kernel(dtype, head_dim_v):
 
 MMA_ROWS = 16  # query rows per block (one m16 tile; a larger group takes several blocks)
 MMA_KEYS = 16  # keys per warp tile
-PAD = 8  # elements added to every shared-memory row (16-byte aligned rows, conflict-free ldmatrix)
+PAD = 8  # elements added to a padded shared-memory row (16-byte aligned rows, conflict-free ldmatrix)
+
+
+def swizzled_rows(cols):
+    """Whether shared-memory tile rows of ``cols`` 16-bit elements are stored swizzled rather than padded.
+
+    Rows whose 16-byte chunks come in groups of eight are stored unpadded, chunk ``c``
+    of row ``r`` at chunk position ``c ^ (r % 8)``: every 128-byte line of a global row
+    then lands in one 128-byte line of shared memory (``cp.async`` moves it without
+    splitting it; padded rows made 1.5 times the ideal L2 sector reads) and ``ldmatrix``
+    reads eight rows from eight different bank groups. Other rows get ``PAD`` elements.
+    """
+    return cols % 64 == 0
+
+
+def tile_row_elems(cols):
+    """Elements per shared-memory row of a tile with ``cols`` columns (see ``swizzled_rows``)."""
+    return cols if swizzled_rows(cols) else cols + PAD
 
 
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
@@ -376,12 +393,18 @@ def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
     return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0 and vector_loads
 
 
+@cuda.jit(device=True, inline="always")
+def tile_col(swizzled, r, c):
+    """Shared-memory column of element ``c`` (a multiple of 8) of row ``r`` of a tile (see ``swizzled_rows``)."""
+    return ((c // 8) ^ (r % 8)) * 8 if swizzled else c
+
+
 def decode_mma_shared_bytes(head_dim, head_dim_v, stages):
     """Dynamic shared memory of ``decode_mma_kernel``: the Q tile and each warp's ring of K/V stages
     (the warps' final states reuse it)."""
-    ring = WARPS * stages * MMA_KEYS * (head_dim + PAD + head_dim_v + PAD)
+    ring = WARPS * stages * MMA_KEYS * (tile_row_elems(head_dim) + tile_row_elems(head_dim_v))
     merge = WARPS * MMA_ROWS * head_dim_v * 2  # float32 accumulators, counted in 16-bit elements
-    return 2 * max(MMA_ROWS * (head_dim + PAD) + ring, merge)
+    return 2 * max(MMA_ROWS * tile_row_elems(head_dim) + ring, merge)
 
 
 @functools.lru_cache(maxsize=None)
@@ -403,7 +426,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     Q_IN_REGISTERS = D <= 128  # wider Q fragments would leave too few registers for the accumulator
     Q_FRAGS = KSTEPS if Q_IN_REGISTERS else 1
     STATE_ROWS = WARPS * MMA_ROWS  # the warps' states in shared memory, warp-major
-    K_ROW, V_ROW = D + PAD, DV + PAD
+    K_ROW, V_ROW = tile_row_elems(D), tile_row_elems(DV)
+    K_SWIZZLED, V_SWIZZLED = swizzled_rows(D), swizzled_rows(DV)
     Q_ELEMS = MMA_ROWS * K_ROW
     STAGE = MMA_KEYS * (K_ROW + V_ROW)  # a stage: K tile, then V tile
     WARP_RING = STAGES * STAGE
@@ -414,9 +438,9 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
 
     @cuda.jit(device=True, inline="always")
-    def copy_rows(dst, src, ncols, page_table, b, h_kv, first, end, lane):
+    def copy_rows(dst, src, ncols, swizzled, page_table, b, h_kv, first, end, lane):
         """Start this warp's 16-byte copies of keys ``first .. first + 16`` of ``src`` into the tile
-        ``dst``; keys past ``end`` read 0. When a row's ``chunks`` divide 32, lane ``l`` copies chunk
+        ``dst`` (``swizzled`` or padded rows); keys past ``end`` read 0. When a row's ``chunks`` divide 32, lane ``l`` copies chunk
         ``l % chunks`` of rows ``l // chunks + n · step`` (``step = 32 // chunks``, compile-time trip
         counts, every lane busy) and walks its rows' page offsets without a division per row;
         otherwise the lanes take the tile's chunks in turn."""
@@ -433,7 +457,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 page = b
                 if PAGED:
                     page = min(max(page_table[b, slot], 0), src.shape[0] - 1) if valid else 0
-                cp_async_16(dst, r, c, src, (page, h_kv, pos if valid else 0, c), 16 if valid else 0)
+                cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos if valid else 0, c),
+                            16 if valid else 0)
                 pos += step
                 if PAGED:
                     while pos >= page_size:
@@ -448,20 +473,22 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 if PAGED:
                     page = min(max(page_table[b, t // page_size], 0), src.shape[0] - 1) if valid else 0
                     pos = t % page_size if valid else 0
-                cp_async_16(dst, r, c, src, (page, h_kv, pos, c), 16 if valid else 0)
+                cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos, c), 16 if valid else 0)
 
     @cuda.jit(device=True, inline="always")
     def copy_keys(smem, stage_off, k, v, page_table, b, h_kv, first, end, lane):
         """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile)."""
-        copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, page_table, b, h_kv, first, end, lane)
-        copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, page_table, b, h_kv,
-                  first, end, lane)
+        copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, K_SWIZZLED, page_table, b, h_kv, first, end,
+                  lane)
+        copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, V_SWIZZLED, page_table, b,
+                  h_kv, first, end, lane)
 
     @cuda.jit(device=True, inline="always")
     def load_q_fragment(q_frag, slot, q_s, ks, mat, mrow):
         """The A fragment of k-step ``ks`` of the Q tile into ``q_frag[slot]``."""
+        row = mrow + 8 * (mat % 2)
         q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3] = ldmatrix_x4(
-            q_s, mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
+            q_s, row, tile_col(K_SWIZZLED, row, 16 * ks + 8 * (mat // 2))
         )
 
     @cuda.jit(device=True, inline="always")
@@ -503,7 +530,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             r, c = idx // (D // 8), (idx % (D // 8)) * 8
             valid = row0 + r < G * SQ
             h = h_kv * G + (row0 + r) // SQ if valid else 0
-            cp_async_16(q_s, r, c, q, (b, h, (row0 + r) % SQ if valid else 0, c), 16 if valid else 0)
+            cp_async_16(q_s, r, tile_col(K_SWIZZLED, r, c), q, (b, h, (row0 + r) % SQ if valid else 0, c),
+                        16 if valid else 0)
         cp_async_commit()
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < my_tiles:
@@ -544,7 +572,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 slot = ks if Q_IN_REGISTERS else 0
                 if not Q_IN_REGISTERS:
                     load_q_fragment(q_frag, 0, q_s, ks, mat, mrow)
-                b0, b1, b2, b3 = ldmatrix_x4(k_s, mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                key = mrow + 8 * (mat // 2)
+                b0, b1, b2, b3 = ldmatrix_x4(k_s, key, tile_col(K_SWIZZLED, key, 16 * ks + 8 * (mat % 2)))
                 a0, a1, a2, a3 = q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3]
                 s[0, 0, 0], s[0, 0, 1], s[0, 0, 2], s[0, 0, 3] = mma(a0, a1, a2, a3, b0, b1, s[0, 0, 0], s[0, 0, 1],
                                                                      s[0, 0, 2], s[0, 0, 3])
@@ -559,7 +588,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             p0, p1 = pack(s[0, 0, 0], s[0, 0, 1]), pack(s[0, 0, 2], s[0, 0, 3])
             p2, p3 = pack(s[0, 1, 0], s[0, 1, 1]), pack(s[0, 1, 2], s[0, 1, 3])
             for dp in range(DTILES // 2):
-                b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, mrow + 8 * (mat % 2), 16 * dp + 8 * (mat // 2))
+                key = mrow + 8 * (mat % 2)
+                b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, key, tile_col(V_SWIZZLED, key, 16 * dp + 8 * (mat // 2)))
                 n = 2 * dp
                 acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3] = mma(
                     p0, p1, p2, p3, b0, b1, acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3])
