@@ -77,42 +77,61 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
     return chunk, lanes, per_lane, per_lane_v, rows
 
 
+MAX_SPLITS = 64  # key splits per row at most (the combine keeps a weight per row and split)
+MERGE_ELEMS = 4  # output elements per thread whose partials the combine loads together
+MERGE_SPLITS = 4  # ... and splits
+
+
 def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)``.
 
-    Merges the softmax states ``(m_s[w, r], l_s[w, r], acc_s[w · rows + r, :])`` (log2
-    domain, unnormalized) of a block's warps for each of its rows and writes the
-    normalized output and LSE, or, with ``split``, the split's fp32 partial
-    output and log2-sum-exp. Call after a barrier; every thread takes part.
+    Merges the softmax states ``(m_s[w, r], l_s[w, r], acc_s[w · rows + r, :])``
+    (log2 domain, unnormalized) of a block's warps for each of its rows and
+    writes the normalized output and LSE, or, with ``split``, the split's fp32
+    partial output and log2-sum-exp. The weights of each row are computed once
+    (into ``m_s``). Call after a barrier; every thread takes part.
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
     narrow = NARROW[dtype]
 
     @cuda.jit(device=True, inline="always")
+    def row_head(h_kv, row0, r):
+        """``(query head, new token)`` of row ``r`` of the block's rows."""
+        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
+
+    @cuda.jit(device=True, inline="always")
     def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split):
         warps = m_s.shape[0]
-        for idx in range(cuda.threadIdx.x, ROWS * DV, cuda.blockDim.x):
+        n_rows = min(ROWS, G * SQ - row0)
+        tid = cuda.threadIdx.x
+        if tid < n_rows:  # the warps' weights of each row: m_s[w, r] becomes exp2(m_w - m) / l
+            r = tid
+            m_all = m_s[0, r]
+            for w in range(1, warps):
+                m_all = max(m_all, m_s[w, r])
+            total = _ZERO
+            if m_all != _NEG_INF:
+                for w in range(warps):
+                    total += l_s[w, r] * ex2_approx(m_s[w, r] - m_all)
+            for w in range(warps):
+                m_s[w, r] = ex2_approx(m_s[w, r] - m_all) / total if total > _ZERO else _ZERO
+            h, i = row_head(h_kv, row0, r)
+            row_lse = m_all + math.log2(total) if total > _ZERO else _NEG_INF
+            if SPLIT:
+                lse_part[b, h, i, split] = row_lse
+            elif WRITE_LSE:
+                lse[b, h, i] = row_lse * _LN2
+        cuda.syncthreads()
+        for idx in range(tid, n_rows * DV, cuda.blockDim.x):
             r, col = idx // DV, idx % DV
-            if row0 + r < G * SQ:
-                h, i = h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
-                m_all = m_s[0, r]
-                for w in range(1, warps):
-                    m_all = max(m_all, m_s[w, r])
-                total, value = _ZERO, _ZERO
-                if m_all != _NEG_INF:
-                    for w in range(warps):
-                        weight = ex2_approx(m_s[w, r] - m_all)
-                        total += l_s[w, r] * weight
-                        value += acc_s[w * ROWS + r, col] * weight
-                out = value / total if total > _ZERO else _ZERO
-                if SPLIT:
-                    o_part[b, h, i, split, col] = out
-                    if col == 0:
-                        lse_part[b, h, i, split] = m_all + math.log2(total) if total > _ZERO else _NEG_INF
-                else:
-                    o[b, h, i, col] = narrow(out)
-                    if WRITE_LSE and col == 0:
-                        lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+            h, i = row_head(h_kv, row0, r)
+            value = _ZERO
+            for w in range(warps):
+                value += acc_s[w * ROWS + r, col] * m_s[w, r]
+            if SPLIT:
+                o_part[b, h, i, split, col] = value
+            else:
+                o[b, h, i, col] = narrow(value)
 
     return finish
 
@@ -126,7 +145,8 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     ``[B, max_pages]`` int32 (when ``paged``), seqlens ``[B]`` int32 (when
     ``has_seqlens``; else every sequence fills its page), lse ``[B, Hq, Sq]``
     float32 (when ``write_lse`` and not ``split``), o_part ``[B, Hq, Sq, S, Dv]``
-    and lse_part ``[B, Hq, Sq, S]`` float32 (when ``split``). Query head
+    and lse_part ``[B, Hq, Sq, S]`` float32 (when ``split``; ``combine_kernel``
+    then merges them). Query head
     ``h`` reads KV head ``h // group``; query token ``i`` of ``Sq`` sees keys
     ``t <= seqlen - Sq + i``. Grid ``(S, Hkv · cdiv(group · Sq, rows), B)``,
     ``NUM_THREADS`` threads.
@@ -296,37 +316,81 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
 
 
 @functools.lru_cache(maxsize=None)
-def combine_kernel(dtype, head_dim_v, write_lse):
-    """Numba kernel ``kernel(o_part, lse_part, o, lse)``: merge the splits of each query row.
+def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
+    """Numba kernel ``kernel(o_part, lse_part, o, lse)``: merge the splits of a split ``decode_kernel``.
 
-    o_part ``[B, Hq, Sq, S, Dv]`` and lse_part ``[B, Hq, Sq, S]`` (log2 domain)
-    as written by a split ``decode_kernel``; o ``[B, Hq, Sq, Dv]`` storage
-    dtype, lse natural log. One block of ``NUM_THREADS`` threads per row.
+    o_part ``[B, Hq, Sq, S, Dv]`` and lse_part ``[B, Hq, Sq, S]`` (log2 domain,
+    ``S <= MAX_SPLITS``) as the decode kernel wrote them; o ``[B, Hq, Sq, Dv]``
+    storage dtype, lse natural log. Grid ``(Hkv · cdiv(group · Sq, rows), B)``
+    of ``NUM_THREADS`` threads: a block takes the rows that one decode block
+    took. A warp per row turns the splits' log2-sum-exps into weights, then
+    each thread sums the weighted partials of ``MERGE_ELEMS`` outputs,
+    ``MERGE_SPLITS`` splits at a time, all those loads in flight together.
     """
-    DV, WRITE_LSE = head_dim_v, write_lse
+    DV, G, SQ, ROWS, WRITE_LSE = head_dim_v, group, seqlen_q, rows, write_lse
+    ROW_CHUNKS = -(-(G * SQ) // ROWS)
     narrow = NARROW[dtype]
 
+    @cuda.jit(device=True, inline="always")
+    def row_head(h_kv, row0, r):
+        """``(query head, new token)`` of row ``r`` of the block's rows."""
+        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
+
     def kernel(o_part, lse_part, o, lse):
-        heads, seqlen_q = o.shape[1], o.shape[2]
-        row = cuda.blockIdx.x
-        b, h, i = row // (heads * seqlen_q), (row // seqlen_q) % heads, row % seqlen_q
+        b = cuda.blockIdx.y
+        h_kv = cuda.blockIdx.x // ROW_CHUNKS
+        row0 = (cuda.blockIdx.x % ROW_CHUNKS) * ROWS
+        n_rows = min(ROWS, G * SQ - row0)
+        weight_s = cuda.shared.array((ROWS, MAX_SPLITS), float32)
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         splits = lse_part.shape[3]
-        m_all = _NEG_INF
-        for s in range(splits):
-            m_all = max(m_all, lse_part[b, h, i, s])
-        total = _ZERO
-        if m_all != _NEG_INF:
-            for s in range(splits):
-                total += ex2_approx(lse_part[b, h, i, s] - m_all)
-        for col in range(cuda.threadIdx.x, DV, NUM_THREADS):
-            value = _ZERO
-            if total > _ZERO:
-                for s in range(splits):
-                    value += o_part[b, h, i, s, col] * ex2_approx(lse_part[b, h, i, s] - m_all)
-                value /= total
-            o[b, h, i, col] = narrow(value)
-        if WRITE_LSE and cuda.threadIdx.x == 0:
-            lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+        for r in range(warp, n_rows, cuda.blockDim.x // 32):
+            h, i = row_head(h_kv, row0, r)
+            l0 = lse_part[b, h, i, lane] if lane < splits else _NEG_INF  # MAX_SPLITS = 64: two per lane
+            l1 = lse_part[b, h, i, lane + 32] if lane + 32 < splits else _NEG_INF
+            m_all = max(l0, l1)
+            for offset in (16, 8, 4, 2, 1):
+                m_all = max(m_all, shfl_xor_f32(m_all, offset))
+            w0, w1 = _ZERO, _ZERO
+            if m_all != _NEG_INF:
+                w0, w1 = ex2_approx(l0 - m_all), ex2_approx(l1 - m_all)
+            total = w0 + w1
+            for offset in (16, 8, 4, 2, 1):
+                total += shfl_xor_f32(total, offset)
+            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
+            if lane < splits:
+                weight_s[r, lane] = w0 * scale
+            if lane + 32 < splits:
+                weight_s[r, lane + 32] = w1 * scale
+            if WRITE_LSE and lane == 0:
+                lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+        cuda.syncthreads()
+        values = cuda.local.array((MERGE_ELEMS, MERGE_SPLITS), float32)
+        step = cuda.blockDim.x
+        for base in range(cuda.threadIdx.x, n_rows * DV, MERGE_ELEMS * step):
+            sums = cuda.local.array(MERGE_ELEMS, float32)
+            for e in range(MERGE_ELEMS):
+                sums[e] = _ZERO
+            for s0 in range(0, splits, MERGE_SPLITS):  # MERGE_ELEMS · MERGE_SPLITS loads in flight
+                for e in range(MERGE_ELEMS):
+                    idx = base + e * step
+                    r, col = idx // DV, idx % DV
+                    h, i = row_head(h_kv, row0, r)
+                    for u in range(MERGE_SPLITS):
+                        if idx < n_rows * DV and s0 + u < splits:
+                            values[e, u] = o_part[b, h, i, s0 + u, col]
+                for e in range(MERGE_ELEMS):
+                    r = (base + e * step) // DV
+                    for u in range(MERGE_SPLITS):
+                        if base + e * step < n_rows * DV and s0 + u < splits:
+                            sums[e] += values[e, u] * weight_s[r, s0 + u]
+            for e in range(MERGE_ELEMS):
+                idx = base + e * step
+                if idx < n_rows * DV:
+                    r, col = idx // DV, idx % DV
+                    h, i = row_head(h_kv, row0, r)
+                    o[b, h, i, col] = narrow(sums[e])
+
 
     return cuda.jit(kernel)
 

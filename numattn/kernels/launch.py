@@ -115,7 +115,7 @@ class CompiledKernel:
 
 
 class PreparedLaunch:
-    """A kernel with its grid (an int or an ``(x, y, z)`` tuple) and packed arguments; each call
+    """A kernel with its grid (an int or a tuple of up to three extents) and packed arguments; each call
     rewrites the data pointers and launches.
 
     ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
@@ -138,7 +138,8 @@ class PreparedLaunch:
         self._params = self._addresses.ctypes.data
         self._pointer_slots = tuple(pointer_slots)
         self._lock = threading.Lock()  # the argument block is shared: fill and launch as one step
-        grid_x, grid_y, grid_z = (grid, 1, 1) if isinstance(grid, int) else grid
+        extents = (grid,) if isinstance(grid, int) else tuple(grid)
+        grid_x, grid_y, grid_z = extents + (1,) * (3 - len(extents))
         self._launch = functools.partial(
             _driver.cuLaunchKernel, kernel.function, grid_x, grid_y, grid_z, block, 1, 1, kernel.shared_bytes
         )

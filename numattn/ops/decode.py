@@ -30,6 +30,7 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda
 from ..kernels.decode import (
+    MAX_SPLITS,
     MMA_KEYS,
     MMA_ROWS,
     NUM_THREADS,
@@ -266,12 +267,13 @@ def _splits(p, rows, blocks_per_sm, min_keys, sms):
 
     Time goes as the waves of blocks times the keys per block, ``ceil(blocks / slots) / splits``
     with ``slots = blocks_per_sm · sms``; the fewest splits that minimise it win (each split adds
-    partial results to combine), with at least ``min_keys`` keys per split.
+    partial results to combine), with at least ``min_keys`` keys per split, at most ``MAX_SPLITS``,
+    and no more splits than keep one block per SM (more only added combine work where measured).
     """
     row_chunks = -(-(p.heads_q // p.heads_kv * p.seqlen_q) // rows)
     work = p.batch * p.heads_kv * row_chunks
     slots = blocks_per_sm * sms
-    most = max(1, min(-(-p.capacity // min_keys), -(-4 * slots // work)))
+    most = max(1, min(-(-p.capacity // min_keys), sms // work, MAX_SPLITS))
     best = min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
     return best, row_chunks
 
@@ -280,7 +282,9 @@ class _Plan:
     """Kernels, grid and argument layout of one decode problem.
 
     The tensor-core kernel where it applies (fp16/bf16, head dims multiples of
-    16, 16-byte aligned rows, sm_80+), the CUDA-core kernel otherwise.
+    16, 16-byte aligned rows, sm_80+), the CUDA-core kernel otherwise; with
+    several splits, fp32 workspaces for the partial results and the kernel
+    that combines them.
     """
 
     def __init__(self, p, splits=None):
@@ -293,23 +297,23 @@ class _Plan:
             fitting = [n for n in (3, 2) if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
             if fitting:
                 self.stages, rows = fitting[0], MMA_ROWS
-                self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages)
                 split_args = (2, 4 * WARPS * MMA_KEYS)
         if split_args is None:
-            self.stages, self.shared_bytes = None, 0
+            self.stages = None
             *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
             rows = min(rows, group * p.seqlen_q)
             split_args = (16, 128)
         auto_splits, row_chunks = _splits(p, rows, *split_args, limits["sms"])
-        self.splits = splits or auto_splits
-        split = self.splits > 1
+        self.splits = min(splits or auto_splits, MAX_SPLITS)
+        self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages) if self.stages else 0
+        self.split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
-        common = (p.page_table is not None, p.seqlens is not None, split, p.return_lse)
+        common = (p.page_table is not None, p.seqlens is not None, self.split, p.return_lse)
         if self.stages is not None:
             self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, *common, self.stages)
         else:
             self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, *common, vector)
-        self.combine = combine_kernel(p.dtype, p.head_dim_v, p.return_lse) if split else None
+        self.combine = combine_kernel(p.dtype, p.head_dim_v, group, p.seqlen_q, rows, p.return_lse) if self.split else None
         self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
         kind = f"mma stages={self.stages}" if self.stages else f"simt rows={rows} vector={vector}"
         self.label = (f"decode {kind} {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} "
@@ -319,16 +323,16 @@ class _Plan:
         """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""
         p = self.problem
         item = storage_dtype(p.dtype).itemsize
-        unused = ((1,), (1,), 4)
-        table = (p.page_table.shape, p.page_table.strides, 4) if p.page_table is not None else ((1, 1), (1, 1), 4)
-        seq = (p.seqlens.shape, p.seqlens.strides, 4) if p.seqlens is not None else unused
-        lse = (p.lse_shape, contiguous_strides(p.lse_shape), 4) if p.return_lse else ((1, 1, 1), (1, 1, 1), 4)
-        split = self.combine is not None
-        part = (self.part_shape, contiguous_strides(self.part_shape), 4) if split else ((1,) * 5, (1,) * 5, 4)
-        part_lse = (self.part_shape[:4], contiguous_strides(self.part_shape[:4]), 4) if split else ((1,) * 4, (1,) * 4, 4)
+
+        def array(shape, used, itemsize=4):
+            return (shape, contiguous_strides(shape), itemsize) if used else ((1,) * len(shape), (1,) * len(shape), itemsize)
+
+        table = (p.page_table.shape, p.page_table.strides, 4) if p.page_table is not None else array((1, 1), False)
+        seq = (p.seqlens.shape, p.seqlens.strides, 4) if p.seqlens is not None else array((1,), False)
         return [
             (p.q.shape, p.q.strides, item), (p.k.shape, p.k.strides, item), (p.v.shape, p.v.strides, item),
-            table, seq, (*p.out_view, item), lse, part, part_lse,
+            table, seq, (*p.out_view, item), array(p.lse_shape, p.return_lse),
+            array(self.part_shape, self.split), array(self.part_shape[:4], self.split),
         ]
 
 
@@ -350,13 +354,12 @@ class _DevicePlan(_Plan):
         fields.append(np.float32(p.scale * LOG2E))
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
         self.launch_combine = None
-        if self.combine is not None:
+        if self.split:
             ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
                       types.Array(f32, 3, "A"))
             combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
             fields, slots = array_fields((arrays[7], arrays[8], arrays[5], arrays[6]))  # o_part, lse_part, o, lse
-            rows = p.batch * p.heads_q * p.seqlen_q
-            self.launch_combine = combine.prepare(rows, NUM_THREADS, fields, slots)
+            self.launch_combine = combine.prepare(self.grid[1:], NUM_THREADS, fields, slots)
 
     def run(self, stream, q, k, v, table, seqlens, out, lse, part, part_lse):
         """Launch on raw pointers (0 for absent arrays)."""
@@ -376,12 +379,11 @@ class _TorchPlan(_DevicePlan):
         self._get_device, self._stream = torch_current()
         device = torch.device("cuda", p.device)
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=device)
-        f32 = one.float()
         self._out = one.expand(p.out_shape)
-        self._lse = f32.expand(p.lse_shape) if p.return_lse else None
-        split = self.combine is not None
-        self._part = f32.expand(self.part_shape) if split else None
-        self._part_lse = f32.expand(self.part_shape[:4]) if split else None
+        self._lse = one.float().expand(p.lse_shape) if p.return_lse else None
+        # one workspace: the partial outputs, then their log2-sum-exps
+        self._part_size = int(np.prod(self.part_shape))
+        self._workspace = one.float().expand(self._part_size + self._part_size // p.head_dim_v) if self.split else None
 
     def __call__(self, q, k, v, page_table, seqlens):
         if self._get_device() != self.problem.device:
@@ -390,13 +392,15 @@ class _TorchPlan(_DevicePlan):
         empty_like = self._torch.empty_like
         out = empty_like(self._out)
         lse = empty_like(self._lse) if self._lse is not None else None
-        part = empty_like(self._part) if self._part is not None else None
-        part_lse = empty_like(self._part_lse) if self._part_lse is not None else None
+        workspace, part, part_lse = None, 0, 0
+        if self.split:  # the workspace stays referenced until the launches are queued
+            workspace = empty_like(self._workspace)
+            part = workspace.data_ptr()
+            part_lse = part + 4 * self._part_size
         self.run(
             self._stream(self.problem.device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
             0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
-            out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-            0 if part is None else part.data_ptr(), 0 if part_lse is None else part_lse.data_ptr(),
+            out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse,
         )
         return (out, lse) if lse is not None else out
 
@@ -409,7 +413,7 @@ class _CaiPlan(_DevicePlan):
         out = empty_device_like(q, p.out_shape, p.dtype, p.device)
         lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
         part = part_lse = None
-        if self.combine is not None:
+        if self.split:
             part = empty_device_like(q, self.part_shape, "float32", p.device)
             part_lse = empty_device_like(q, self.part_shape[:4], "float32", p.device)
         stream = q.__cuda_array_interface__.get("stream") or 0
@@ -437,18 +441,15 @@ class _HostPlan(_Plan):
         out = np.empty(p.out_shape, storage_dtype(p.dtype))
         item = out.itemsize
         o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
-        lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), np.float32)
-        split = self.combine is not None
-        part = np.empty(self.part_shape if split else (1,) * 5, np.float32)
-        part_lse = np.empty(self.part_shape[:4] if split else (1,) * 4, np.float32)
+        lse, part, part_lse = (np.empty(shape, np.float32) for shape, _, _ in self.arrays()[6:9])
         table = views[3] if views[3] is not None else np.zeros((1, 1), np.int32)
         lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse)]
         self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
-        if split:
-            self.combine[p.batch * p.heads_q * p.seqlen_q, NUM_THREADS](args[7], args[8], args[5], args[6])
+        if self.split:
+            self.combine[self.grid[1:], NUM_THREADS](args[7], args[8], args[5], args[6])
         result = wrap_host(out, q, p.dtype)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
