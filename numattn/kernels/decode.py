@@ -29,7 +29,7 @@ import functools
 import math
 
 import numpy as np
-from numba import float32, uint16, uint32
+from numba import float32, int32, uint16, uint32
 
 from .._cuda import cuda
 from .online_softmax import softmax_steps
@@ -502,49 +502,53 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
 
     @cuda.jit(device=True, inline="always")
-    def copy_rows(dst, src, ncols, swizzled, page_table, b, h_kv, first, end, lane):
+    def key_location(page_table, b, key, end, page_size, num_pages):
+        """``(page, position)`` of key ``key`` of sequence ``b`` in a paged cache (page clamped into
+        the cache), ``(0, 0)`` for a key at or past ``end``."""
+        if key < end:
+            return min(max(page_table[b, key // page_size], 0), num_pages - 1), key % page_size
+        return 0, 0
+
+    @cuda.jit(device=True, inline="always")
+    def copy_rows(dst, src, ncols, swizzled, locations, b, h_kv, first, end, lane):
         """Start this warp's 16-byte copies of keys ``first .. first + 16`` of ``src`` into the tile
-        ``dst`` (``swizzled`` or padded rows); keys past ``end`` read 0. When a row's ``chunks`` divide 32, lane ``l`` copies chunk
-        ``l % chunks`` of rows ``l // chunks + n · step`` (``step = 32 // chunks``, compile-time trip
-        counts, every lane busy) and walks its rows' page offsets without a division per row;
-        otherwise the lanes take the tile's chunks in turn."""
+        ``dst`` (``swizzled`` or padded rows); keys past ``end`` read 0. A paged cache gives each key's
+        ``(page, position)`` in ``locations[:, r]``. When a row's ``chunks`` divide 32, lane ``l``
+        copies chunk ``l % chunks`` of rows ``l // chunks + n · step`` (``step = 32 // chunks``,
+        compile-time trip counts, every lane busy); otherwise the lanes take the tile's chunks in turn."""
         chunks = ncols // 8
-        page_size = src.shape[2]
         if 32 % chunks == 0:
             step = 32 // chunks
             c, r0 = (lane % chunks) * 8, lane // chunks
-            t0 = first + r0
-            slot, pos = (t0 // page_size, t0 % page_size) if PAGED else (0, t0)
+            pages = cuda.local.array(MMA_KEYS, int32)
+            positions = cuda.local.array(MMA_KEYS, int32)
+            for n in range(MMA_KEYS // step):  # every location read before the first copy is issued
+                r = r0 + n * step
+                pages[n], positions[n] = (locations[0, r], locations[1, r]) if PAGED else (b, first + r)
             for n in range(MMA_KEYS // step):
                 r = r0 + n * step
                 valid = first + r < end
-                page = b
-                if PAGED:
-                    page = min(max(page_table[b, slot], 0), src.shape[0] - 1) if valid else 0
-                cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos if valid else 0, c),
+                cp_async_16(dst, r, tile_col(swizzled, r, c), src, (pages[n], h_kv, positions[n] if valid else 0, c),
                             16 if valid else 0)
-                pos += step
-                if PAGED:
-                    while pos >= page_size:
-                        pos -= page_size
-                        slot += 1
         else:
             for i in range(lane, MMA_KEYS * chunks, 32):
                 r, c = i // chunks, (i % chunks) * 8
-                t = first + r
-                valid = t < end
-                page, pos = b, t if valid else 0
-                if PAGED:
-                    page = min(max(page_table[b, t // page_size], 0), src.shape[0] - 1) if valid else 0
-                    pos = t % page_size if valid else 0
+                valid = first + r < end
+                page, pos = (locations[0, r], locations[1, r]) if PAGED else (b, first + r if valid else 0)
                 cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos, c), 16 if valid else 0)
 
     @cuda.jit(device=True, inline="always")
-    def copy_keys(smem, stage_off, k, v, page_table, b, h_kv, first, end, lane):
-        """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile)."""
-        copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, K_SWIZZLED, page_table, b, h_kv, first, end,
-                  lane)
-        copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, V_SWIZZLED, page_table, b,
+    def copy_keys(smem, stage_off, k, v, locations, location, b, h_kv, first, end, lane):
+        """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile).
+        With a paged cache lane ``l < 16`` brings ``location``, key ``first + l``'s ``(page, position)``
+        (loaded a tile ahead, so that the page table's latency is hidden), for ``locations``."""
+        if PAGED:
+            syncwarp()  # every lane has read the previous tile's locations
+            if lane < MMA_KEYS:
+                locations[0, lane], locations[1, lane] = location
+            syncwarp()
+        copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, K_SWIZZLED, locations, b, h_kv, first, end, lane)
+        copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, V_SWIZZLED, locations, b,
                   h_kv, first, end, lane)
 
     @cuda.jit(device=True, inline="always")
@@ -597,10 +601,20 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             cp_async_16(q_s, r, tile_col(K_SWIZZLED, r, c), q, (b, h, (row0 + r) % SQ if valid else 0, c),
                         16 if valid else 0)
         cp_async_commit()
+        # a paged cache: this warp's (page, position) of the keys of the tile it issues, and the
+        # location of key (next tile's first + lane % 16), loaded a tile ahead
+        locations = cuda.shared.array((WARPS, 2, MMA_KEYS), int32)[warp]
+        page_size, num_pages = k.shape[2], k.shape[0]
+        location = (0, 0)
+        if PAGED:
+            location = key_location(page_table, b, start + warp * MMA_KEYS + lane % MMA_KEYS, end, page_size, num_pages)
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < my_tiles:
-                copy_keys(smem, ring + j * STAGE, k, v, page_table, b, h_kv, start + (warp + j * WARPS) * MMA_KEYS,
-                          end, lane)
+                copy_keys(smem, ring + j * STAGE, k, v, locations, location, b, h_kv,
+                          start + (warp + j * WARPS) * MMA_KEYS, end, lane)
+                if PAGED:
+                    location = key_location(page_table, b, start + (warp + (j + 1) * WARPS) * MMA_KEYS + lane % MMA_KEYS,
+                                            end, page_size, num_pages)
             cp_async_commit()
         cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
@@ -621,8 +635,12 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             syncwarp()  # every lane is done with the stage refilled below
             ahead = j + IN_FLIGHT
             if ahead < my_tiles:
-                copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, page_table, b, h_kv,
+                copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, locations, location, b, h_kv,
                           start + (warp + ahead * WARPS) * MMA_KEYS, end, lane)
+                if PAGED:
+                    location = key_location(page_table, b,
+                                            start + (warp + (ahead + 1) * WARPS) * MMA_KEYS + lane % MMA_KEYS, end,
+                                            page_size, num_pages)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile j has landed
             syncwarp()
