@@ -391,7 +391,6 @@ def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
                     h, i = row_head(h_kv, row0, r)
                     o[b, h, i, col] = narrow(sums[e])
 
-
     return cuda.jit(kernel)
 
 
