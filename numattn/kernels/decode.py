@@ -51,7 +51,7 @@ from .ptx import (
     unpack_bf16x2,
     unpack_f16x2,
 )
-from .tiles import NARROW, WIDEN, tile_view
+from .tiles import NARROW, WIDEN, swizzled_rows, tile_col, tile_row_elems, tile_view
 
 NUM_THREADS = 128
 WARPS = NUM_THREADS // 32
@@ -431,35 +431,9 @@ def merge_kernel(dtype, head_dim_v):
 
 MMA_ROWS = 16  # query rows per block (one m16 tile; a larger group takes several blocks)
 MMA_KEYS = 16  # keys per warp tile
-PAD = 8  # elements added to a padded shared-memory row (16-byte aligned rows, conflict-free ldmatrix)
-
-
-def swizzled_rows(cols):
-    """Whether shared-memory tile rows of ``cols`` 16-bit elements are stored swizzled rather than padded.
-
-    Rows whose 16-byte chunks come in groups of eight are stored unpadded, chunk ``c``
-    of row ``r`` at chunk position ``c ^ (r % 8)``: every 128-byte line of a global row
-    then lands in one 128-byte line of shared memory (``cp.async`` moves it without
-    splitting it; padded rows made 1.5 times the ideal L2 sector reads) and ``ldmatrix``
-    reads eight rows from eight different bank groups. Other rows get ``PAD`` elements.
-    """
-    return cols % 64 == 0
-
-
-def tile_row_elems(cols):
-    """Elements per shared-memory row of a tile with ``cols`` columns (see ``swizzled_rows``)."""
-    return cols if swizzled_rows(cols) else cols + PAD
-
-
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
     """Whether the tensor-core decode kernel takes this dtype, these head dims and this alignment."""
     return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0 and vector_loads
-
-
-@cuda.jit(device=True, inline="always")
-def tile_col(swizzled, r, c):
-    """Shared-memory column of element ``c`` (a multiple of 8) of row ``r`` of a tile (see ``swizzled_rows``)."""
-    return ((c // 8) ^ (r % 8)) * 8 if swizzled else c
 
 
 def decode_mma_shared_bytes(head_dim, head_dim_v, stages):

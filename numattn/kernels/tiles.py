@@ -7,6 +7,9 @@
   ``row_major_cell`` and ``sw128_cell`` say where each element lands.
 * ``sw128_cell`` places an element of a tile stored in wgmma's 128-byte
   swizzled layout (see ``ptx.py``) in a 64-column view of shared memory.
+* ``swizzled_rows``, ``tile_row_elems`` and ``tile_col`` lay out 16-bit tiles that
+  ``cp.async`` fills and ``ldmatrix`` reads: unpadded rows with 16-byte chunks
+  XOR-swizzled by row where the row allows it, padded rows elsewhere.
 * ``query_block`` maps a thread block to its (batch, head, query rows).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
@@ -127,6 +130,32 @@ def sw128_cell(tile_row0, rows, r, c):
     ``c // 8 % 8`` of row ``r`` sits at chunk position ``(c // 8 % 8) ^ (r % 8)``.
     """
     return tile_row0 + (c // 64) * rows + r, (((c % 64) // 8) ^ (r % 8)) * 8
+
+
+PAD = 8  # elements added to a padded row of a 16-bit tile (16-byte aligned rows, conflict-free ldmatrix)
+
+
+def swizzled_rows(cols):
+    """Whether shared-memory tile rows of ``cols`` 16-bit elements are stored swizzled rather than padded.
+
+    Rows whose 16-byte chunks come in groups of eight are stored unpadded, chunk ``c``
+    of row ``r`` at chunk position ``c ^ (r % 8)``: every 128-byte line of a global row
+    then lands in one 128-byte line of shared memory (``cp.async`` moves it without
+    splitting it; padded rows made 1.5 times the ideal L2 sector reads) and ``ldmatrix``
+    reads eight rows from eight different bank groups. Other rows get ``PAD`` elements.
+    """
+    return cols % 64 == 0
+
+
+def tile_row_elems(cols):
+    """Elements per shared-memory row of a tile with ``cols`` columns (see ``swizzled_rows``)."""
+    return cols if swizzled_rows(cols) else cols + PAD
+
+
+@cuda.jit(device=True, inline="always")
+def tile_col(swizzled, r, c):
+    """Shared-memory column of element ``c`` (a multiple of 8) of row ``r`` of a tile (see ``swizzled_rows``)."""
+    return ((c // 8) ^ (r % 8)) * 8 if swizzled else c
 
 
 @cuda.jit(device=True)

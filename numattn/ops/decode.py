@@ -500,11 +500,10 @@ def _run(kind, validate, arrays, options, check):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     try:
-        key = (kind, *(_signature(x) for x in arrays), *((type(o), o) for o in options))
-        hash(key)
-    except TypeError:
-        key = None
-    plan = _PLANS.get(key) if key is not None else None
+        key = (kind, *map(_signature, arrays), *[(type(o), o) for o in options])
+        plan = _PLANS.get(key)  # hashes the key once
+    except TypeError:  # an argument without a signature: validated and planned on every call
+        key = plan = None
     if plan is None:
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
         plan = _make_plan(validate(*arrays, *options))
