@@ -5,9 +5,10 @@ from . import reference
 from ._cuda import SIMULATOR
 from .ops.attention import attention
 from .ops.decode import csr_page_table, decode, merge_states, paged_decode
+from .ops.mla import mla_decode
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "decode", "paged_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "__version__",
+    "attention", "decode", "paged_decode", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "__version__",
 ]

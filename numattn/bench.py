@@ -6,7 +6,8 @@ numattn and of SDPA's flash, cuDNN and memory-efficient backends on the same
 inputs, then the host overhead per call: back-to-back calls on tiny inputs
 timed with a host clock, next to torch's own per-op overhead. With ``--decode``
 it adds the decode targets: ``decode`` and ``paged_decode`` (pages of 1, 16 and
-64 keys) against SDPA's GQA backends, in µs and effective GB/s.
+64 keys) against SDPA's GQA backends, in µs and effective GB/s; with ``--mla``,
+``mla_decode`` in FlashInfer's GB/s metric next to the device copy rate.
 """
 
 import json
@@ -249,6 +250,55 @@ def bench_decode_host_overhead():
     }
 
 
+# FlashInfer's MLA decode benchmark: fp16, pages of one row, contiguous page indices; (batch, heads, seqlen)
+MLA_SHAPES = [(768, h, n) for n in (1024, 2048) for h in (16, 32, 64)] + [(64, 16, 32768)]
+
+
+def copy_gbs(nbytes=1 << 30):
+    """Device-to-device copy rate in GB/s (bytes read plus bytes written over the time), the reference
+    that the MLA targets are stated against."""
+    torch = _torch()
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / cuda_time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
+    """Rows of {shape, config, us, gbs} for numattn.mla_decode in FlashInfer's metric:
+    ``bytes = 2·B·(H·(R + P + R) + L·(R + P))`` (fp16 queries, output and latent rows) over the time.
+
+    ``configs`` (``MlaConfig`` list) times each configuration through the plan; None times the default.
+    """
+    torch = _torch()
+    import numattn
+    from numattn.ops.mla import _TorchPlan, _validate
+
+    rows = []
+    for batch, heads, seqlen in shapes:
+        q_nope = torch.randn(batch, heads, rank, device="cuda", dtype=torch.float16)
+        q_pe = torch.randn(batch, heads, rope, device="cuda", dtype=torch.float16)
+        ckv = torch.randn(batch * seqlen, 1, rank, device="cuda", dtype=torch.float16)
+        kpe = torch.randn(batch * seqlen, 1, rope, device="cuda", dtype=torch.float16)
+        table = torch.arange(batch * seqlen, device="cuda", dtype=torch.int32).reshape(batch, seqlen)
+        lengths = torch.full((batch,), seqlen, device="cuda", dtype=torch.int32)
+        args = (q_nope, q_pe, ckv, kpe, table, lengths)
+        nbytes = 2 * batch * (heads * (2 * rank + rope) + seqlen * (rank + rope))
+        for config in configs or [None]:
+            try:
+                if config is None:
+                    ms = cuda_time_ms(lambda: numattn.mla_decode(*args, scale=0.1, check=False))
+                else:
+                    plan = _TorchPlan(_validate(*args, 0.1, False), config)
+                    ms = cuda_time_ms(lambda: plan(*args))
+            except Exception as exc:  # a configuration the device cannot hold
+                rows.append({"shape": (batch, heads, seqlen), "config": str(config), "error": str(exc)[:100]})
+                continue
+            rows.append({"shape": (batch, heads, seqlen), "config": str(config or "default"), "us": ms * 1e3,
+                         "gbs": nbytes / ms / 1e6})
+        del ckv, kpe
+    return rows
+
+
 def _with_backend_gqa(sdpa_kernel, backend, sdpa, q, k, v):
     with sdpa_kernel(backend):
         return sdpa(q, k, v, enable_gqa=True)
@@ -322,6 +372,13 @@ def main(args):
         print("decode host overhead per call (µs, tiny cache):")
         for name, us in results["decode_host_overhead_us"].items():
             print(f"  {name:32} {us:7.2f}")
+    if args.mla:
+        results["copy_gbs"] = copy_gbs()
+        results["mla"] = bench_mla()
+        print(f"MLA decode (FlashInfer's metric; device copy {results['copy_gbs']:.0f} GB/s):")
+        for row in results["mla"]:
+            cell = f"{row['us']:9.1f} µs {row['gbs']:6.0f} GB/s" if "us" in row else row["error"]
+            print(f"  B,H,L {str(row['shape']):18} {row['config']:12} {cell}")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

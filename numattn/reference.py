@@ -81,6 +81,16 @@ def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_lay
     return _per_sequence(q, keys, values, scale, return_lse, squeezed, (0, 1, 2, 3))
 
 
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
+    """``numattn.mla_decode`` in float64: a paged decode with one KV head whose keys are
+    ``[ckv | kpe]`` and whose values are ``ckv``."""
+    q = np.concatenate([to_float64(q_nope), to_float64(q_pe)], axis=-1)
+    ckv = to_float64(ckv_cache)
+    keys = np.concatenate([ckv, to_float64(kpe_cache)], axis=-1)[:, :, None, :]
+    o, lse = paged_decode(q, keys, ckv[:, :, None, :], page_table, seqlens, scale=scale, return_lse=True)
+    return (o, lse[:, :, 0]) if return_lse else o
+
+
 def _per_sequence(q, keys, values, scale, return_lse, squeezed, axes):
     """Causal (bottom-right) attention of ``q[b]`` ``[Hq, Sq, D]`` over ``keys[b]`` ``[Hkv, n, D]``."""
     batch, heads_q, seqlen_q = q.shape[:3]

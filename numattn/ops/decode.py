@@ -241,20 +241,25 @@ def _index_values(x):
 
 def _check_values(p, page_table, seqlens):
     """Clear errors for lengths and page indices that the caches cannot serve."""
+    what = "the cache length" if page_table is None else "max_pages * page_size"
+    check_lengths_and_pages(seqlens, page_table, p.capacity, what, p.k.shape[2], p.k.shape[0])
+
+
+def check_lengths_and_pages(seqlens, page_table, capacity, capacity_text, page_size, num_pages):
+    """``ValueError`` for a negative length, one above ``capacity``, or a used page index outside
+    ``[0, num_pages)`` (device arrays are copied to the host: a synchronisation)."""
     if seqlens is None:
         return
     lengths = _index_values(seqlens).astype(np.int64)
     if (lengths < 0).any():
         b = int(np.argmax(lengths < 0))
         raise ValueError(f"seqlens must be non-negative, got seqlens[{b}] = {lengths[b]}")
-    if (lengths > p.capacity).any():
-        b = int(np.argmax(lengths > p.capacity))
-        what = "the cache length" if page_table is None else "max_pages * page_size"
-        raise ValueError(f"seqlens[{b}] = {lengths[b]} exceeds {what} ({p.capacity})")
+    if (lengths > capacity).any():
+        b = int(np.argmax(lengths > capacity))
+        raise ValueError(f"seqlens[{b}] = {lengths[b]} exceeds {capacity_text} ({capacity})")
     if page_table is None:
         return
     table = _index_values(page_table)
-    page_size, num_pages = p.k.shape[2], p.k.shape[0]
     used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]
     bad = used & ((table < 0) | (table >= num_pages))
     if bad.any():
@@ -271,11 +276,14 @@ def _splits(p, rows, blocks_per_sm, min_keys, sms):
     and no more splits than keep one block per SM (more only added combine work where measured).
     """
     row_chunks = -(-(p.heads_q // p.heads_kv * p.seqlen_q) // rows)
-    work = p.batch * p.heads_kv * row_chunks
+    return split_count(p.batch * p.heads_kv * row_chunks, p.capacity, blocks_per_sm, min_keys, sms), row_chunks
+
+
+def split_count(work, capacity, blocks_per_sm, min_keys, sms):
+    """Key splits for ``work`` blocks' worth of (sequence, head, rows) over ``capacity`` keys (see ``_splits``)."""
     slots = blocks_per_sm * sms
-    most = max(1, min(-(-p.capacity // min_keys), sms // work, MAX_SPLITS))
-    best = min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
-    return best, row_chunks
+    most = max(1, min(-(-capacity // min_keys), sms // work, MAX_SPLITS))
+    return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
 
 
 class _Plan:

@@ -1,0 +1,300 @@
+"""``numattn.mla_decode``: DeepSeek multi-head latent attention decode over a paged latent cache.
+
+With the projections absorbed into the queries, every query head attends to the
+same latent rows: ``score = q_nope · ckv + q_pe · kpe``, ``o = softmax(scale · score) · ckv``.
+``kernels/mla.py`` computes it with key splits merged by the decode combine kernel.
+"""
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from numba import types
+
+from .._arrays import contiguous_strides, describe, host_storage, is_torch, storage_dtype, torch_current, wrap_host
+from .._cuda import SIMULATOR
+from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
+from ..kernels.launch import array_fields, compiled, device_limits
+from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
+from .attention import LOG2E, softmax_scale
+from .decode import _check_index, _where, check_lengths_and_pages, split_count
+
+MAX_RANK, MAX_ROPE = 512, 64
+
+
+@dataclass(frozen=True)
+class MlaProblem:
+    """A validated ``mla_decode`` call."""
+
+    batch: int
+    heads: int
+    rank: int  # kv_lora_rank R
+    rope: int  # rope dim P (may be 0)
+    page_size: int
+    num_pages: int
+    max_pages: int
+    dtype: str
+    device: object
+    scale: float
+    return_lse: bool
+    shapes: tuple  # (shape, strides) of q_nope, q_pe, ckv, kpe, page_table, seqlens
+
+
+def _aligned_rows(op, name):
+    """TypeError/ValueError unless ``op`` has contiguous rows that 16-byte copies can read."""
+    per_copy = 16 // storage_dtype(op.dtype).itemsize
+    if op.shape[-1] and (op.strides[-1] != 1 or any(s % per_copy for s in op.strides[:-1]) or op.ptr % 16):
+        raise ValueError(f"{name} needs contiguous rows starting at 16-byte boundaries (strides {op.strides}); "
+                         "pass a contiguous array")
+
+
+def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, return_lse):
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if scale is None:
+        raise TypeError("scale is required (the softmax scale of the un-absorbed head dim)")
+    names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
+    ops = [describe(x, n) for x, n in zip((q_nope, q_pe, ckv_cache, kpe_cache), names)]
+    texts = ("(batch, heads, kv_lora_rank)", "(batch, heads, rope_dim)", "(num_pages, page_size, kv_lora_rank)",
+             "(num_pages, page_size, rope_dim)")
+    for op, name, text in zip(ops, names, texts):
+        if len(op.shape) != 3:
+            raise ValueError(f"{name} must be 3-D {text}, got shape {op.shape}")
+        if op.dtype not in ("float16", "bfloat16"):
+            raise TypeError(f"{name} has dtype {op.dtype}; mla_decode takes float16 or bfloat16")
+    qn, qp, ckv, kpe = ops
+    if len({op.dtype for op in ops}) > 1:
+        raise TypeError("q_nope, q_pe and the caches must share one dtype, got " +
+                        ", ".join(f"{n} {op.dtype}" for n, op in zip(names, ops)))
+    if len({op.device for op in ops}) > 1:
+        raise ValueError("q_nope, q_pe and the caches must be on one device, got " +
+                         ", ".join(f"{n} on {op.where}" for n, op in zip(names, ops)))
+    batch, heads, rank = qn.shape
+    rope = qp.shape[2]
+    if qp.shape[:2] != (batch, heads):
+        raise ValueError(f"q_pe must be (batch, heads, rope_dim) = ({batch}, {heads}, P), got {qp.shape}")
+    if ckv.shape[2] != rank:
+        raise ValueError(f"ckv_cache's last dim must equal q_nope's kv_lora_rank {rank}, got {ckv.shape[2]}")
+    if kpe.shape[2] != rope:
+        raise ValueError(f"kpe_cache's last dim must equal q_pe's rope dim {rope}, got {kpe.shape[2]}")
+    if kpe.shape[:2] != ckv.shape[:2]:
+        raise ValueError(f"kpe_cache must have ckv_cache's (num_pages, page_size) {ckv.shape[:2]}, got {kpe.shape[:2]}")
+    if 0 in (batch, heads, *ckv.shape):
+        raise ValueError(f"q_nope and ckv_cache must not be empty, got shapes {qn.shape} and {ckv.shape}")
+    if rank % 16 or rank > MAX_RANK or rope % 16 or rope > MAX_ROPE:
+        raise ValueError(f"kv_lora_rank must be a multiple of 16 up to {MAX_RANK} and rope_dim a multiple of 16 up "
+                         f"to {MAX_ROPE} (0 allowed), got {rank} and {rope}")
+    for op, name in zip(ops, names):
+        _aligned_rows(op, name)
+    t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
+    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, qn.device)
+    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, qn.device)
+    if t_op.shape[0] != batch or t_op.shape[1] == 0:
+        raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got {t_op.shape}")
+    if s_op.shape[0] != batch:
+        raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
+    shapes = tuple((op.shape, op.strides) for op in (*ops, t_op, s_op))
+    return MlaProblem(batch, heads, rank, rope, ckv.shape[1], ckv.shape[0], t_op.shape[1], qn.dtype, qn.device,
+                      softmax_scale(scale, rank + rope), bool(return_lse), shapes)
+
+
+class _Plan:
+    """Kernel configuration, splits, grid and argument layout of one ``mla_decode`` problem."""
+
+    def __init__(self, p, config=None, splits=None):
+        self.problem = p
+        limits = device_limits(0 if p.device is None else p.device)
+        self.config = config or mla_default_config(p.rank, p.rope, limits["cc"])
+        error = mla_config_error(self.config, p.rank, p.rope, limits["cc"])
+        if error:
+            raise ValueError(f"MLA configuration {self.config}: {error}")
+        self.shared_bytes = mla_shared_bytes(self.config, p.rank, p.rope)
+        head_chunks = -(-p.heads // HEAD_ROWS)
+        work = p.batch * head_chunks
+        blocks_per_sm = max(1, min(2, limits["max_shared"] // self.shared_bytes))
+        auto = split_count(work, p.max_pages * p.page_size, blocks_per_sm, 4 * self.config.block_n, limits["sms"])
+        self.splits = min(splits or auto, MAX_SPLITS)
+        self.split = self.splits > 1
+        self.grid = (self.splits, head_chunks, p.batch)
+        self.threads = 32 * self.config.warps
+        self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, self.config, self.split, p.return_lse)
+        # the decode combine kernel sees the heads as one KV head's group of query rows
+        self.combine = combine_kernel(p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse) if self.split else None
+        self.part_shape = (p.batch, p.heads, 1, self.splits, p.rank)
+        self.label = f"mla {self.config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
+
+
+class _TorchPlan(_Plan):
+    """torch CUDA tensors on torch's current stream: prepared launches, outputs from torch's allocator."""
+
+    def __init__(self, p, config=None, splits=None):
+        super().__init__(p, config, splits)
+        import torch
+
+        self._torch = torch
+        self._get_device, self._stream = torch_current()
+        storage = numba.from_dtype(storage_dtype(p.dtype))
+        f32, i32 = types.float32, types.int32
+        arrays = [(shape, strides, 2) for shape, strides in p.shapes[:4]]
+        arrays += [(shape, strides, 4) for shape, strides in p.shapes[4:]]
+        out = ((p.batch, p.heads, p.rank), (p.heads * p.rank, p.rank, 1), 2)
+        lse = ((p.batch, p.heads), (p.heads, 1), 4) if p.return_lse else _unused(2)
+        part = (self.part_shape, contiguous_strides(self.part_shape), 4) if self.split else _unused(5)
+        part_lse = (self.part_shape[:4], contiguous_strides(self.part_shape[:4]), 4) if self.split else _unused(4)
+        argtypes = (*(types.Array(storage, 3, "A"),) * 4, types.Array(i32, 2, "A"), types.Array(i32, 1, "A"),
+                    types.Array(storage, 3, "A"), types.Array(f32, 2, "A"), types.Array(f32, 5, "A"),
+                    types.Array(f32, 4, "A"), f32)
+        kernel = compiled(self.kernel, argtypes, p.device, self.shared_bytes, self.label)
+        fields, slots = array_fields([*arrays, out, lse, part, part_lse])
+        fields.append(np.float32(p.scale * LOG2E))
+        self.launch = kernel.prepare(self.grid, self.threads, fields, slots)
+        self.launch_combine = None
+        if self.split:
+            ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
+                      types.Array(f32, 3, "A"))
+            combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.rank}")
+            o4 = ((p.batch, p.heads, 1, p.rank), (p.heads * p.rank, p.rank, 0, 1), 2)
+            lse3 = ((p.batch, p.heads, 1), (p.heads, 1, 0), 4) if p.return_lse else _unused(3)
+            fields, slots = array_fields([part, part_lse, o4, lse3])
+            self.launch_combine = combine.prepare(self.grid[1:], NUM_THREADS, fields, slots)
+        device = torch.device("cuda", p.device)
+        self._out = torch.empty(1, dtype=getattr(torch, p.dtype), device=device).expand(p.batch, p.heads, p.rank)
+        self._lse = torch.empty(1, device=device).expand(p.batch, p.heads) if p.return_lse else None
+        self._part_size = int(np.prod(self.part_shape))
+        self._workspace = (torch.empty(1, device=device).expand(self._part_size + self._part_size // p.rank)
+                           if self.split else None)
+
+    def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
+        if self._get_device() != self.problem.device:
+            with self._torch.cuda.device(self.problem.device):
+                return self(q_nope, q_pe, ckv, kpe, page_table, seqlens)
+        empty_like = self._torch.empty_like
+        out = empty_like(self._out)
+        lse = empty_like(self._lse) if self._lse is not None else None
+        workspace, part, part_lse = None, 0, 0
+        if self.split:  # the workspace stays referenced until the launches are queued
+            workspace = empty_like(self._workspace)
+            part = workspace.data_ptr()
+            part_lse = part + 4 * self._part_size
+        stream = self._stream(self.problem.device)
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        self.launch(stream, *(x.data_ptr() for x in (q_nope, q_pe, ckv, kpe, page_table, seqlens, out)), lse_ptr,
+                    part, part_lse)
+        if self.launch_combine is not None:
+            self.launch_combine(stream, part, part_lse, out.data_ptr(), lse_ptr)
+        return (out, lse) if lse is not None else out
+
+
+class _HostPlan(_Plan):
+    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine the
+    arrays travel through torch CUDA tensors."""
+
+    def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
+        p = self.problem
+        arrays = [np.ascontiguousarray(host_storage(x, describe(x, "x"))) if x is not None else None
+                  for x in (q_nope, q_pe, ckv, kpe)]
+        arrays += [np.ascontiguousarray(_host_index(x)) for x in (page_table, seqlens)]
+        if not SIMULATOR:
+            return self._through_torch(q_nope, arrays)
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        out = np.empty((p.batch, p.heads, p.rank), storage_dtype(p.dtype))
+        lse = np.empty((p.batch, p.heads) if p.return_lse else (1, 1), np.float32)
+        part = np.empty(self.part_shape if self.split else (1,) * 5, np.float32)
+        part_lse = np.empty(self.part_shape[:4] if self.split else (1,) * 4, np.float32)
+        args = [FakeCUDAArray(a) for a in (*arrays, out, lse, part, part_lse)]
+        self.kernel[self.grid, self.threads, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
+        if self.split:
+            o4, lse3 = out[:, :, None, :], lse[:, :, None]
+            self.combine[self.grid[1:], NUM_THREADS](args[8], args[9], FakeCUDAArray(o4), FakeCUDAArray(lse3))
+        result = wrap_host(out, q_nope, p.dtype)
+        return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
+
+    def _through_torch(self, like, arrays):
+        import torch
+
+        p = self.problem
+        tdtype = getattr(torch, p.dtype)
+        tensors = [torch.from_numpy(a).view(tdtype).cuda() for a in arrays[:4]]
+        tensors += [torch.from_numpy(a).cuda() for a in arrays[4:]]
+        result = mla_decode(*tensors, scale=p.scale, return_lse=p.return_lse, check=False)
+        o, lse = result if p.return_lse else (result, None)
+        o = wrap_host(o.view(torch.int16).cpu().numpy().view(np.uint16), like, p.dtype)
+        return (o, wrap_host(lse.cpu().numpy(), like, "float32")) if p.return_lse else o
+
+
+def _host_index(x):
+    return x.detach().cpu().numpy() if is_torch(x) else np.asarray(x)
+
+
+def _unused(ndim):
+    """``(shape, strides, itemsize)`` of a placeholder for an array argument the kernel does not read."""
+    return (1,) * ndim, (1,) * ndim, 4
+
+
+_PLANS = {}
+_MAX_PLANS = 256
+
+
+def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False, check=True):
+    """MLA decode (absorbed weights): every query head attends to the shared latent rows of its sequence.
+
+    Parameters
+    ----------
+    q_nope : ``[batch, heads, kv_lora_rank]``, float16 or bfloat16.
+    q_pe : ``[batch, heads, rope_dim]`` (``rope_dim`` may be 0).
+    ckv_cache : ``[num_pages, page_size, kv_lora_rank]``: the latent rows (keys and values).
+    kpe_cache : ``[num_pages, page_size, rope_dim]``: their rotary parts (keys only).
+    page_table : int32 ``[batch, max_pages]``: sequence ``b``'s row ``t`` is in page
+        ``page_table[b, t // page_size]`` at position ``t % page_size``; see ``csr_page_table``
+        for FlashInfer's CSR form.
+    seqlens : int32 ``[batch]``: latent rows per sequence (0 gives zeros and an LSE of ``-inf``).
+    scale : float, required: the softmax scale (of the model's un-absorbed head dim).
+    return_lse : also return the natural-log log-sum-exp per head, float32 ``[batch, heads]``.
+    check : check ``seqlens`` and the page indices they use (a host copy of device arrays, a
+        synchronisation; skipped under CUDA-graph capture). Unchecked values are clamped.
+
+    ``kv_lora_rank`` a multiple of 16 up to 512, ``rope_dim`` a multiple of 16 up to 64; rows
+    contiguous. Returns ``o`` ``[batch, heads, kv_lora_rank]`` like ``q_nope``, or ``(o, lse)``.
+
+    Examples
+    --------
+    >>> import numpy as np, numattn
+    >>> rng = np.random.default_rng(0)
+    >>> q_nope = rng.standard_normal((2, 16, 64)).astype(np.float16)
+    >>> q_pe = rng.standard_normal((2, 16, 16)).astype(np.float16)
+    >>> ckv = rng.standard_normal((8, 4, 64)).astype(np.float16)
+    >>> kpe = rng.standard_normal((8, 4, 16)).astype(np.float16)
+    >>> table = np.array([[0, 1, 2, 3], [4, 5, 6, 7]], np.int32)
+    >>> numattn.mla_decode(q_nope, q_pe, ckv, kpe, table, np.array([13, 6], np.int32), scale=0.1).shape
+    (2, 16, 64)
+    """
+    if check.__class__ is not bool and not isinstance(check, np.bool_):
+        raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
+    key = None
+    if all(is_torch(x) for x in arrays):
+        key = (tuple((x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) for x in arrays),
+               type(scale), scale, bool(return_lse))
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        p = _validate(*arrays, scale, return_lse)
+        plan = _HostPlan(p) if p.device is None or SIMULATOR else _TorchPlan(p) if key is not None else None
+        if plan is None:
+            raise TypeError(f"mla_decode on a GPU takes torch tensors (or host arrays), got {type(q_nope).__name__} "
+                            f"on {_where(p.device)}")
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    p = plan.problem
+    if check and not (p.device is not None and _capturing_torch()):
+        check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size",
+                                p.page_size, p.num_pages)
+    return plan(*arrays)
+
+
+def _capturing_torch():
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()

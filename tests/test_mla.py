@@ -1,0 +1,123 @@
+"""numattn.mla_decode against the float64 reference (simulator on CPU, GPU kernels on a GPU), its
+configuration space per GPU architecture, and its errors."""
+
+import numpy as np
+import pytest
+import torch
+
+import numattn
+from numattn import reference
+from numattn.kernels.mla import SHARED_LIMITS, MlaConfig, mla_candidates, mla_default_config, mla_shared_bytes
+from numattn.ops import mla as module
+
+from conftest import ATOL
+from helpers import as_dtype, max_error
+
+pytestmark = pytest.mark.sim
+
+
+def _inputs(rng, batch, heads, rank, rope, page_size, max_pages, dtype, library="numpy", device=None):
+    """Random queries and latent pages, a shuffled page table and lengths including 0 and the capacity."""
+    num_pages = batch * max_pages + 3
+    shapes = [(batch, heads, rank), (batch, heads, rope), (num_pages, page_size, rank), (num_pages, page_size, rope)]
+    arrays = as_dtype([rng.standard_normal(s, dtype=np.float32) for s in shapes], dtype, library)
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    lengths = rng.integers(1, max_pages * page_size + 1, size=batch).astype(np.int32)
+    lengths[0], lengths[-1] = max_pages * page_size, 0 if batch > 2 else lengths[-1]
+    if library == "torch":
+        arrays = [a.to(device) for a in arrays]
+        table, lengths = (torch.from_numpy(x).to(device) for x in (table, lengths))
+    return (*arrays, table, lengths)
+
+
+def _run_plan(args, config, splits, scale, return_lse):
+    """mla_decode through an explicit configuration and split count (the host plan)."""
+    p = module._validate(*args, scale, return_lse)
+    plan = module._HostPlan(p, config, splits) if p.device is None else module._TorchPlan(p, config, splits)
+    return plan(*args)
+
+
+@pytest.mark.parametrize(
+    "rank, rope, heads, page_size, config, splits, dtype",
+    [
+        (64, 16, 16, 8, MlaConfig(16, 2, 4, "duplicated"), 1, "float16"),
+        (64, 0, 8, 1, MlaConfig(16, 3, 4, "sharded"), 2, "bfloat16"),  # no rope part, pages of one row
+        (128, 64, 20, 5, MlaConfig(16, 2, 4, "sharded"), 3, "float16"),  # two head chunks, the second partial
+        (64, 16, 16, 3, MlaConfig(16, 2, 2, "duplicated"), 2, "bfloat16"),
+    ],
+)
+def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config, splits, dtype):
+    args = _inputs(rng, 3, heads, rank, rope, page_size, 12, dtype)
+    o, lse = _run_plan(args, config, splits, 0.09, True)
+    lse = reference.to_float64(lse)
+    ref_o, ref_lse = reference.mla_decode(*args, scale=0.09, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL[dtype]
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3
+
+
+def test_mla_decode_public_call(rng):
+    """The public function with the default configuration and splits, lse off, torch CPU tensors in and out."""
+    args = _inputs(rng, 2, 16, 64, 16, 4, 6, "float16", library="torch", device="cpu")
+    o = numattn.mla_decode(*args, scale=0.125)
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.float16 and o.shape == (2, 16, 64)
+    assert max_error(o, reference.mla_decode(*args, scale=0.125)) <= ATOL["float16"]
+
+
+@pytest.mark.parametrize("rank, rope", [(512, 64), (256, 64), (512, 0)])
+@pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0)])
+def test_mla_configurations_fit_each_architecture(rank, rope, cc):
+    candidates = mla_candidates(rank, rope, cc)
+    assert candidates, f"no configuration for sm_{cc[0]}{cc[1]}"
+    for config in candidates:
+        assert mla_shared_bytes(config, rank, rope) <= SHARED_LIMITS[cc]
+        assert rank % (16 * config.warps) == 0
+    assert mla_default_config(rank, rope, cc) in candidates
+    # the architectures' limits shape the space: sm_86/89 (99 KB) cannot hold sm_90's largest rings
+    if cc in ((8, 6), (8, 9)):
+        largest = max(mla_candidates(rank, rope, (9, 0)), key=lambda c: mla_shared_bytes(c, rank, rope))
+        assert largest not in candidates
+    if (rank, rope) == (512, 64):
+        assert {c.qk for c in candidates} == {"duplicated", "sharded"}
+
+
+def test_mla_bad_input_errors(rng):
+    qn, qp, ckv, kpe, table, lengths = _inputs(rng, 2, 16, 64, 16, 4, 4, "float16")
+    with pytest.raises(ValueError, match="kv_lora_rank 64"):
+        numattn.mla_decode(qn, qp, ckv[:, :, :48], kpe, table, lengths, scale=0.1)
+    with pytest.raises(ValueError, match="rope dim 16"):
+        numattn.mla_decode(qn, qp, ckv, np.zeros((ckv.shape[0], 4, 32), np.float16), table, lengths, scale=0.1)
+    with pytest.raises(ValueError, match="q_pe must be"):
+        numattn.mla_decode(qn, qp[:1], ckv, kpe, table, lengths, scale=0.1)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        numattn.mla_decode(qn.astype(np.float32), qp, ckv, kpe, table, lengths, scale=0.1)
+    with pytest.raises(TypeError, match="scale is required"):
+        numattn.mla_decode(qn, qp, ckv, kpe, table, lengths, scale=None)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        numattn.mla_decode(qn[..., :40], qp, ckv[..., :40], kpe, table, lengths, scale=0.1)
+    with pytest.raises(TypeError, match="page_table must have dtype int32"):
+        numattn.mla_decode(qn, qp, ckv, kpe, table.astype(np.int64), lengths, scale=0.1)
+    with pytest.raises(ValueError, match="exceeds max_pages"):
+        numattn.mla_decode(qn, qp, ckv, kpe, table, np.array([17, 1], np.int32), scale=0.1)
+    with pytest.raises(ValueError, match="non-negative"):
+        numattn.mla_decode(qn, qp, ckv, kpe, table, np.array([-1, 1], np.int32), scale=0.1)
+    bad_table = table.copy()
+    bad_table[1, 0] = ckv.shape[0]
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\]"):
+        numattn.mla_decode(qn, qp, ckv, kpe, bad_table, np.array([3, 2], np.int32), scale=0.1)
+    with pytest.raises(ValueError, match="configuration"):
+        _run_plan((qn, qp, ckv, kpe, table, lengths), MlaConfig(16, 2, 8, "sharded"), 1, 0.1, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk", ["duplicated", "sharded"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mla_decode_on_gpu_deepseek_sizes(rng, qk, page_size):
+    args = _inputs(rng, 4, 64, 512, 64, page_size, 600 // page_size + 1, "bfloat16", library="torch", device="cuda")
+    config = MlaConfig(16, 4, 8, qk)
+    for splits in (1, 4):
+        o, lse = _run_plan(args, config, splits, 0.07, True)
+        ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
+        assert max_error(o, ref_o) <= ATOL["bfloat16"]
+    assert max_error(numattn.mla_decode(*args, scale=0.07), ref_o) <= ATOL["bfloat16"]
