@@ -63,10 +63,10 @@ class MlaConfig:
     columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring).
     """
 
-    block_n: int = 32
-    stages: int = 3
-    warps: int = 4
-    qk: str = "sharded"
+    block_n: int
+    stages: int
+    warps: int
+    qk: str
 
 
 def mla_shared_bytes(config, rank, rope):

@@ -191,8 +191,7 @@ class _HostPlan(_Plan):
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         p = self.problem
-        arrays = [np.ascontiguousarray(host_storage(x, describe(x, "x"))) if x is not None else None
-                  for x in (q_nope, q_pe, ckv, kpe)]
+        arrays = [np.ascontiguousarray(host_storage(x, describe(x, "x"))) for x in (q_nope, q_pe, ckv, kpe)]
         arrays += [np.ascontiguousarray(_host_index(x)) for x in (page_table, seqlens)]
         if not SIMULATOR:
             return self._through_torch(q_nope, arrays)
