@@ -201,15 +201,21 @@ def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, 
     axes = (0, 2, 1, 3) if kv_layout == "nhd" else (0, 1, 2, 3)
     k4, v4 = _caches(q_op, q4, k_pages, v_pages, ("k_pages", "v_pages"), text, axes)
     batch = q4.shape[0]
+    t_op, s_op = page_indices(page_table, seqlens, batch, q_op.device)
+    table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
+    return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed)
+
+
+def page_indices(page_table, seqlens, batch, device):
+    """Operands of a page table ``[batch, max_pages]`` and lengths ``[batch]``, checked: int32, shapes, device."""
     t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
-    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, q_op.device)
-    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, q_op.device)
+    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, device)
+    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, device)
     if t_op.shape[0] != batch or t_op.shape[1] == 0:
         raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got shape {t_op.shape}")
     if s_op.shape[0] != batch:
         raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
-    table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
-    return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed)
+    return t_op, s_op
 
 
 def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed):
@@ -385,32 +391,48 @@ class _TorchPlan(_DevicePlan):
 
         self._torch = torch
         self._get_device, self._stream = torch_current()
-        device = torch.device("cuda", p.device)
-        one = torch.empty(1, dtype=getattr(torch, p.dtype), device=device)
-        self._out = one.expand(p.out_shape)
-        self._lse = one.float().expand(p.lse_shape) if p.return_lse else None
-        # one workspace: the partial outputs, then their log2-sum-exps
-        self._part_size = int(np.prod(self.part_shape))
-        self._workspace = one.float().expand(self._part_size + self._part_size // p.head_dim_v) if self.split else None
+        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None,
+                                    self.part_shape if self.split else None)
 
     def __call__(self, q, k, v, page_table, seqlens):
         if self._get_device() != self.problem.device:
             with self._torch.cuda.device(self.problem.device):
                 return self(q, k, v, page_table, seqlens)
-        empty_like = self._torch.empty_like
-        out = empty_like(self._out)
-        lse = empty_like(self._lse) if self._lse is not None else None
-        workspace, part, part_lse = None, 0, 0
-        if self.split:  # the workspace stays referenced until the launches are queued
-            workspace = empty_like(self._workspace)
-            part = workspace.data_ptr()
-            part_lse = part + 4 * self._part_size
+        out, lse, workspace, part, part_lse = self.outputs.allocate()  # workspace: referenced until queued
         self.run(
             self._stream(self.problem.device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
             0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
             out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse,
         )
         return (out, lse) if lse is not None else out
+
+
+class TorchOutputs:
+    """A plan's output, LSE and split workspace, allocated per call from torch's allocator.
+
+    The workspace is one fp32 buffer: the partial outputs ``part_shape``, then their
+    log2-sum-exps (``part_shape[:-1]``). ``lse_shape`` / ``part_shape`` None: not needed.
+    """
+
+    def __init__(self, torch, device, dtype, out_shape, lse_shape, part_shape):
+        one = torch.empty(1, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
+        self._empty_like = torch.empty_like
+        self._out = one.expand(out_shape)
+        self._lse = one.float().expand(lse_shape) if lse_shape is not None else None
+        self._part_size = int(np.prod(part_shape)) if part_shape is not None else 0
+        self._workspace = (one.float().expand(self._part_size + self._part_size // part_shape[-1])
+                           if part_shape is not None else None)
+
+    def allocate(self):
+        """``(out, lse or None, workspace or None, partials pointer, their LSEs pointer)`` (0s without a workspace)."""
+        empty_like = self._empty_like
+        out = empty_like(self._out)
+        lse = empty_like(self._lse) if self._lse is not None else None
+        if self._workspace is None:
+            return out, lse, None, 0, 0
+        workspace = empty_like(self._workspace)
+        part = workspace.data_ptr()
+        return out, lse, workspace, part, part + 4 * self._part_size
 
 
 class _CaiPlan(_DevicePlan):

@@ -17,7 +17,7 @@ from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
 from .attention import LOG2E, softmax_scale
-from .decode import _check_index, _where, check_lengths_and_pages, split_count
+from .decode import TorchOutputs, _signature, _where, check_lengths_and_pages, page_indices, split_count
 
 MAX_RANK, MAX_ROPE = 512, 64
 
@@ -86,13 +86,7 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
                          f"to {MAX_ROPE} (0 allowed), got {rank} and {rope}")
     for op, name in zip(ops, names):
         _aligned_rows(op, name)
-    t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
-    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, qn.device)
-    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, qn.device)
-    if t_op.shape[0] != batch or t_op.shape[1] == 0:
-        raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got {t_op.shape}")
-    if s_op.shape[0] != batch:
-        raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
+    t_op, s_op = page_indices(page_table, seqlens, batch, qn.device)
     shapes = tuple((op.shape, op.strides) for op in (*ops, t_op, s_op))
     return MlaProblem(batch, heads, rank, rope, ckv.shape[1], ckv.shape[0], t_op.shape[1], qn.dtype, qn.device,
                       softmax_scale(scale, rank + rope), bool(return_lse), shapes)
@@ -157,25 +151,14 @@ class _TorchPlan(_Plan):
             lse3 = ((p.batch, p.heads, 1), (p.heads, 1, 0), 4) if p.return_lse else _unused(3)
             fields, slots = array_fields([part, part_lse, o4, lse3])
             self.launch_combine = combine.prepare(self.grid[1:], NUM_THREADS, fields, slots)
-        device = torch.device("cuda", p.device)
-        self._out = torch.empty(1, dtype=getattr(torch, p.dtype), device=device).expand(p.batch, p.heads, p.rank)
-        self._lse = torch.empty(1, device=device).expand(p.batch, p.heads) if p.return_lse else None
-        self._part_size = int(np.prod(self.part_shape))
-        self._workspace = (torch.empty(1, device=device).expand(self._part_size + self._part_size // p.rank)
-                           if self.split else None)
+        self.outputs = TorchOutputs(torch, p.device, p.dtype, (p.batch, p.heads, p.rank),
+                                    (p.batch, p.heads) if p.return_lse else None, self.part_shape if self.split else None)
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         if self._get_device() != self.problem.device:
             with self._torch.cuda.device(self.problem.device):
                 return self(q_nope, q_pe, ckv, kpe, page_table, seqlens)
-        empty_like = self._torch.empty_like
-        out = empty_like(self._out)
-        lse = empty_like(self._lse) if self._lse is not None else None
-        workspace, part, part_lse = None, 0, 0
-        if self.split:  # the workspace stays referenced until the launches are queued
-            workspace = empty_like(self._workspace)
-            part = workspace.data_ptr()
-            part_lse = part + 4 * self._part_size
+        out, lse, workspace, part, part_lse = self.outputs.allocate()  # workspace: referenced until queued
         stream = self._stream(self.problem.device)
         lse_ptr = 0 if lse is None else lse.data_ptr()
         self.launch(stream, *(x.data_ptr() for x in (q_nope, q_pe, ckv, kpe, page_table, seqlens, out)), lse_ptr,
@@ -273,8 +256,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
     key = None
     if all(is_torch(x) for x in arrays):
-        key = (tuple((x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) for x in arrays),
-               type(scale), scale, bool(return_lse))
+        key = (*map(_signature, arrays), type(scale), scale, bool(return_lse))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         p = _validate(*arrays, scale, return_lse)
