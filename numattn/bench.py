@@ -287,13 +287,15 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
             try:
                 if config is None:
                     ms = cuda_time_ms(lambda: numattn.mla_decode(*args, scale=0.1, check=False))
+                    config_name = f"default {_TorchPlan(_validate(*args, 0.1, False)).config}"
                 else:
+                    config_name = str(config)
                     plan = _TorchPlan(_validate(*args, 0.1, False), config)
                     ms = cuda_time_ms(lambda: plan(*args))
             except Exception as exc:  # a configuration the device cannot hold
                 rows.append({"shape": (batch, heads, seqlen), "config": str(config), "error": str(exc)[:100]})
                 continue
-            rows.append({"shape": (batch, heads, seqlen), "config": str(config or "default"), "us": ms * 1e3,
+            rows.append({"shape": (batch, heads, seqlen), "config": config_name, "us": ms * 1e3,
                          "gbs": nbytes / ms / 1e6})
         del ckv, kpe
     return rows
@@ -373,12 +375,16 @@ def main(args):
         for name, us in results["decode_host_overhead_us"].items():
             print(f"  {name:32} {us:7.2f}")
     if args.mla:
+        from numattn.kernels.mla import MlaConfig
+
         results["copy_gbs"] = copy_gbs()
-        results["mla"] = bench_mla()
+        # the default, and the mma.sync kernel with either score schedule (sm_80 and later)
+        schedules = [MlaConfig(16, 4, 4, "duplicated"), MlaConfig(16, 4, 8, "sharded")]
+        results["mla"] = bench_mla(configs=[None, *schedules])
         print(f"MLA decode (FlashInfer's metric; device copy {results['copy_gbs']:.0f} GB/s):")
         for row in results["mla"]:
             cell = f"{row['us']:9.1f} µs {row['gbs']:6.0f} GB/s" if "us" in row else row["error"]
-            print(f"  B,H,L {str(row['shape']):18} {row['config']:12} {cell}")
+            print(f"  B,H,L {str(row['shape']):18} {row['config']:72} {cell}")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

@@ -44,10 +44,13 @@ def _run_plan(args, config, splits, scale, return_lse):
         (64, 0, 8, 1, MlaConfig(16, 3, 4, "sharded"), 2, "bfloat16"),  # no rope part, pages of one row
         (128, 64, 20, 5, MlaConfig(16, 2, 4, "sharded"), 3, "float16"),  # two head chunks, the second partial
         (64, 16, 16, 3, MlaConfig(16, 2, 2, "duplicated"), 2, "bfloat16"),
+        # the sm_90 wgmma kernel: 64-head blocks (20 heads: most rows padding), pages refilled in turn
+        (128, 64, 20, 3, MlaConfig(32, 2, 8, "duplicated", True), 1, "float16"),
+        (128, 0, 70, 1, MlaConfig(16, 3, 8, "duplicated", True), 2, "bfloat16"),  # two head blocks
     ],
 )
 def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config, splits, dtype):
-    args = _inputs(rng, 3, heads, rank, rope, page_size, 12, dtype)
+    args = _inputs(rng, 3 if page_size > 1 else 2, heads, rank, rope, page_size, 12 if page_size > 1 else 24, dtype)
     o, lse = _run_plan(args, config, splits, 0.09, True)
     lse = reference.to_float64(lse)
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.09, return_lse=True)
@@ -80,6 +83,9 @@ def test_mla_configurations_fit_each_architecture(rank, rope, cc):
         assert largest not in candidates
     if (rank, rope) == (512, 64):
         assert {c.qk for c in candidates} == {"duplicated", "sharded"}
+    # the wgmma kernel is offered (and chosen) on sm_90 only
+    assert any(c.wgmma for c in candidates) == (cc == (9, 0))
+    assert mla_default_config(rank, rope, cc).wgmma == (cc == (9, 0))
 
 
 def test_mla_bad_input_errors(rng):
@@ -108,14 +114,19 @@ def test_mla_bad_input_errors(rng):
         numattn.mla_decode(qn, qp, ckv, kpe, bad_table, np.array([3, 2], np.int32), scale=0.1)
     with pytest.raises(ValueError, match="configuration"):
         _run_plan((qn, qp, ckv, kpe, table, lengths), MlaConfig(16, 2, 8, "sharded"), 1, 0.1, False)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _run_plan((qn, qp, ckv, kpe, table, lengths), MlaConfig(64, 2, 8, "duplicated", True), 1, 0.1, False)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qk", ["duplicated", "sharded"])
+@pytest.mark.parametrize(
+    "config", [MlaConfig(16, 4, 8, "duplicated"), MlaConfig(16, 4, 8, "sharded"), MlaConfig(64, 2, 8, "duplicated", True)]
+)
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mla_decode_on_gpu_deepseek_sizes(rng, qk, page_size):
-    args = _inputs(rng, 4, 64, 512, 64, page_size, 600 // page_size + 1, "bfloat16", library="torch", device="cuda")
-    config = MlaConfig(16, 4, 8, qk)
+def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):
+    if config.wgmma and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    args = _inputs(rng, 4, 80, 512, 64, page_size, 600 // page_size + 1, "bfloat16", library="torch", device="cuda")
     for splits in (1, 4):
         o, lse = _run_plan(args, config, splits, 0.07, True)
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)

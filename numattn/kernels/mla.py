@@ -14,6 +14,9 @@ them (each warp runs its share of k-steps and the partial tiles are summed
 through shared memory). Every warp then runs the same online softmax on the
 same scores, so the warps never merge: each writes its own columns.
 
+On sm_90 a configuration may name the ``wgmma`` kernel instead
+(``mla_wgmma.py``): blocks of 64 heads, two warpgroups dividing the columns.
+
 ``MlaConfig`` names a configuration; ``mla_candidates`` lists those that fit a
 GPU architecture's shared memory and registers.
 """
@@ -26,6 +29,7 @@ import numpy as np
 from numba import float32, int32, uint16
 
 from .._cuda import cuda
+from .mla_wgmma import HEADS_PER_BLOCK, mla_wgmma_kernel, mla_wgmma_shared_bytes
 from .online_softmax import softmax_steps
 from .ptx import (
     cp_async_16,
@@ -52,6 +56,7 @@ REGISTERS_PER_SM = 65_536
 MAX_REGISTERS_PER_THREAD = 255
 _REGISTER_BASE = 100  # addresses, loop state, softmax statistics
 _SHARDED_REGISTERS = 60  # the exchange of partial scores
+_WGMMA_REGISTER_BASE = 64
 
 
 @dataclass(frozen=True)
@@ -60,17 +65,26 @@ class MlaConfig:
 
     ``block_n`` latent rows per tile (a multiple of 16), ``stages`` tiles in the
     ``cp.async`` ring, ``warps`` warps per block (each owns ``R / warps`` output
-    columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring).
+    columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring);
+    ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps, scores duplicated).
     """
 
     block_n: int
     stages: int
     warps: int
     qk: str
+    wgmma: bool = False
+
+    @property
+    def heads_per_block(self):
+        """Query heads of one block: an m16 tile, or wgmma's m64."""
+        return HEADS_PER_BLOCK if self.wgmma else HEAD_ROWS
 
 
 def mla_shared_bytes(config, rank, rope):
     """Dynamic shared memory of the kernel: the Q tile, the ring of latent tiles, the score exchange."""
+    if config.wgmma:
+        return mla_wgmma_shared_bytes(config.block_n, config.stages, rank, rope)
     row = tile_row_elems(rank + rope)
     exchange = config.warps * HEAD_ROWS * config.block_n * 4 if config.qk == "sharded" else 0
     return 2 * (HEAD_ROWS + config.stages * config.block_n) * row + exchange
@@ -84,7 +98,10 @@ def mla_registers_estimate(config, rank, rope):
     it lets through compiled without spills (e.g. rank 512, rope 64: block_n 16, 8 warps,
     duplicated 156 registers, estimate 184; sharded 254, estimate 244; block_n 32, 8 warps,
     duplicated 224, estimate 232), the configurations that spilled are estimated above 255
-    (block_n 32, 4 warps at rank 512: 300; block_n 32, 8 warps, sharded at rank 256: 260)."""
+    (block_n 32, 4 warps at rank 512: 300; block_n 32, 8 warps, sharded at rank 256: 260).
+    The wgmma kernel keeps its accumulator (half the columns of 64 rows), scores and P fragments."""
+    if config.wgmma:
+        return _WGMMA_REGISTER_BASE + rank // 4 + config.block_n // 2 + config.block_n // 8
     accumulator = HEAD_ROWS * (rank // config.warps) // 32
     scores = HEAD_ROWS * config.block_n // 32
     copies = -(-(config.block_n * (rank + rope) // 8) // (32 * config.warps))
@@ -98,6 +115,13 @@ def mla_config_error(config, rank, rope, cc):
         return f"qk must be 'duplicated' or 'sharded', got {config.qk!r}"
     if config.block_n % 16 or config.stages < 2 or config.warps < 1:
         return "block_n must be a multiple of 16, stages at least 2, warps at least 1"
+    if config.wgmma:
+        if tuple(cc) != (9, 0):
+            return "the wgmma kernel runs on sm_90 only"
+        if config.warps != 8 or config.qk != "duplicated" or 256 % config.block_n:
+            return "the wgmma kernel takes 8 warps, duplicated scores and block_n dividing 256"
+        if rank % 128:
+            return f"the wgmma kernel takes kv_lora_rank multiples of 128, got {rank}"
     if rank % (16 * config.warps):
         return f"kv_lora_rank {rank} does not split into {config.warps} warps' multiples of 16 columns"
     if config.qk == "sharded" and (rank + rope) // 16 < config.warps:
@@ -122,12 +146,15 @@ def mla_candidates(rank, rope, cc):
         for warps in (4, 8)
         for qk in ("duplicated", "sharded")
     ]
+    space += [MlaConfig(block_n, stages, 8, "duplicated", True) for block_n in (16, 32, 64) for stages in (2, 3, 4, 6)]
     return [c for c in space if mla_config_error(c, rank, rope, cc) is None]
 
 
 def mla_default_config(rank, rope, cc):
-    """The heuristic choice among ``mla_candidates``: the most latent bytes in flight per SM (two
-    blocks per SM where they fit), then sharded scores, then fewer warps."""
+    """The choice among ``mla_candidates``: the wgmma kernel where it runs, with the largest tiles, then
+    the most stages (on an H100, block_n counted for more than stages: docs/benchmarks.md); otherwise
+    the most latent bytes in flight per SM (two blocks per SM where they fit), then sharded scores,
+    then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
@@ -135,7 +162,9 @@ def mla_default_config(rank, rope, cc):
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))
-        return (blocks * (c.stages - 1) * c.block_n, c.qk == "sharded", -c.warps)
+        if c.wgmma:
+            return (1, c.block_n, c.stages, 0)
+        return (0, blocks * (c.stages - 1) * c.block_n, c.qk == "sharded", -c.warps)
 
     return max(candidates, key=score)
 
@@ -149,10 +178,12 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     page_table ``[B, max_pages]`` and seqlens ``[B]`` int32, lse ``[B, H]``
     float32 (when ``write_lse`` and not ``split``); with ``split``, o_part
     ``[B, H, 1, S, R]`` and lse_part ``[B, H, 1, S]`` float32 (log2 domain) for
-    the decode combine kernel. Grid ``(S, cdiv(H, 16), B)``, ``32 · warps`` threads,
+    the decode combine kernel. Grid ``(S, cdiv(H, heads_per_block), B)``, ``32 · warps`` threads,
     ``mla_shared_bytes`` of dynamic shared memory. Page indices are clamped into
     the cache and lengths into the page table's capacity.
     """
+    if config.wgmma:
+        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, split, write_lse)
     R, P, BLOCK_N, STAGES, WARPS = rank, rope, config.block_n, config.stages, config.warps
     THREADS = 32 * WARPS
     SHARDED = config.qk == "sharded"

@@ -103,7 +103,7 @@ class _Plan:
         if error:
             raise ValueError(f"MLA configuration {self.config}: {error}")
         self.shared_bytes = mla_shared_bytes(self.config, p.rank, p.rope)
-        head_chunks = -(-p.heads // HEAD_ROWS)
+        head_chunks = -(-p.heads // self.config.heads_per_block)
         work = p.batch * head_chunks
         blocks_per_sm = max(1, min(2, limits["max_shared"] // self.shared_bytes))
         auto = split_count(work, p.max_pages * p.page_size, blocks_per_sm, 4 * self.config.block_n, limits["sms"])
@@ -114,6 +114,7 @@ class _Plan:
         self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, self.config, self.split, p.return_lse)
         # the decode combine kernel sees the heads as one KV head's group of query rows
         self.combine = combine_kernel(p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse) if self.split else None
+        self.combine_grid = (-(-p.heads // HEAD_ROWS), p.batch)
         self.part_shape = (p.batch, p.heads, 1, self.splits, p.rank)
         self.label = f"mla {self.config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
 
@@ -150,7 +151,7 @@ class _TorchPlan(_Plan):
             o4 = ((p.batch, p.heads, 1, p.rank), (p.heads * p.rank, p.rank, 0, 1), 2)
             lse3 = ((p.batch, p.heads, 1), (p.heads, 1, 0), 4) if p.return_lse else _unused(3)
             fields, slots = array_fields([part, part_lse, o4, lse3])
-            self.launch_combine = combine.prepare(self.grid[1:], NUM_THREADS, fields, slots)
+            self.launch_combine = combine.prepare(self.combine_grid, NUM_THREADS, fields, slots)
         self.outputs = TorchOutputs(torch, p.device, p.dtype, (p.batch, p.heads, p.rank),
                                     (p.batch, p.heads) if p.return_lse else None, self.part_shape if self.split else None)
 
@@ -188,7 +189,7 @@ class _HostPlan(_Plan):
         self.kernel[self.grid, self.threads, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
         if self.split:
             o4, lse3 = out[:, :, None, :], lse[:, :, None]
-            self.combine[self.grid[1:], NUM_THREADS](args[8], args[9], FakeCUDAArray(o4), FakeCUDAArray(lse3))
+            self.combine[self.combine_grid, NUM_THREADS](args[8], args[9], FakeCUDAArray(o4), FakeCUDAArray(lse3))
         result = wrap_host(out, q_nope, p.dtype)
         return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
 

@@ -1,0 +1,297 @@
+"""MLA decode on Hopper's warpgroup tensor cores (``wgmma``, sm_90 only).
+
+A block owns one (sequence, key split, 64 query heads): the 64 heads are the M
+rows of ``wgmma`` m64 products (rows past the last head read zero queries and
+are not stored). Latent tiles of ``block_n`` rows ``[ckv | kpe]`` stream
+through a ring of ``stages`` shared-memory buffers in wgmma's 128-byte
+swizzled layout (``ptx.py``), behind the Q tile of the 64 heads; mbarriers
+track when a buffer is full (every thread's ``cp.async`` copies landed) and
+empty (both warpgroups are done with it), as in ``attention_wgmma.py``.
+
+Two warpgroups divide the ``R`` output columns (``R / 2`` accumulator
+columns each, 128 registers per thread at ``R`` = 512). Each computes the
+whole score tile ``S = Q Kᵀ`` itself (``qk`` "duplicated": the 64 × ``block_n``
+scores are needed by both, and recomputing them costs fewer cycles than
+handing them over), runs the online softmax, and adds ``P V`` for its columns
+with P from registers. The warpgroups take turns on the tensor cores (named
+barriers), so one's softmax overlaps the other's products.
+
+Each warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
+``kpe`` columns), so that it can refill a buffer as soon as its own ``P V``
+of the buffer's tile is complete and the other warpgroup's scores of that
+tile are (an mbarrier per buffer and warpgroup), without waiting for the
+other warpgroup's ``P V``: with two buffers, the next tile then loads during
+the scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
+share a latent row, so a thread looks up one page per tile, a tile ahead.
+"""
+
+import functools
+import math
+
+import numpy as np
+from numba import float32, int64, uint16, uint32
+
+from .._cuda import SIMULATOR, cuda
+from .online_softmax import softmax_steps
+from .ptx import (
+    SW128_ALIGN,
+    aligned_start,
+    barrier_arrive,
+    barrier_sync,
+    cp_async_16,
+    cp_async_mbarrier_arrive,
+    fence_proxy_async,
+    fence_registers,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_try_wait,
+    pack_bf16x2,
+    pack_f16x2,
+    shfl_xor_f32,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_rs_bf16,
+    wgmma_rs_f16,
+    wgmma_ss_bf16,
+    wgmma_ss_f16,
+    wgmma_wait,
+)
+from .tiles import NARROW, sw128_cell, tile_view
+
+HEADS_PER_BLOCK = 64  # one m64 product
+GROUPS = 2  # warpgroups, each owning half the output columns
+THREADS = 128 * GROUPS
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+_LN2 = np.float32(math.log(2.0))
+
+
+def wgmma_panels(rank, rope):
+    """64-column panels of a shared-memory latent row ``[ckv | kpe]``."""
+    return -(-(rank + rope) // 64)
+
+
+def mla_wgmma_shared_bytes(block_n, stages, rank, rope):
+    """The Q tile of 64 heads and ``stages`` latent tiles, in whole panels, and slack to align them."""
+    return 2 * 64 * wgmma_panels(rank, rope) * (HEADS_PER_BLOCK + stages * block_n) + SW128_ALIGN
+
+
+@functools.lru_cache(maxsize=None)
+def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
+    """Numba kernel with the arguments of ``mla.mla_decode_kernel``; grid ``(S, cdiv(H, 64), B)``,
+    ``THREADS`` threads, ``mla_wgmma_shared_bytes`` of dynamic shared memory. ``rank`` a multiple
+    of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 dividing
+    ``THREADS``."""
+    R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
+    PANELS = wgmma_panels(R, P)
+    KSTEPS, PSTEPS = (R + P) // 16, BLOCK_N // 16  # k-steps of S = Q Kᵀ and of O += P V
+    COLS = R // GROUPS  # output columns per warpgroup
+    NTILES, DTILES = BLOCK_N // 8, COLS // 8
+    S_REGS, O_REGS = BLOCK_N // 2, COLS // 2
+    CHUNKS, NOPE_CHUNKS = (R + P) // 8, R // 8  # 16-byte chunks of a latent row, of its ckv part
+    ROW_THREADS = 128 // BLOCK_N  # threads of a warpgroup copying one latent row
+    OWN_NOPE = NOPE_CHUNKS // GROUPS // ROW_THREADS  # a thread's ckv chunks of the row (its warpgroup's columns)
+    ROPE_CHUNKS = P // 8
+    OWN_ROPE = -(-ROPE_CHUNKS // ROW_THREADS)  # warpgroup 0's threads: kpe chunks too
+    # shared memory as 128-byte rows of a 64-column view: the Q tile, then STAGES latent tiles
+    Q_ROWS = PANELS * HEADS_PER_BLOCK
+    TILE_ROWS = PANELS * BLOCK_N
+    VIEW_ROWS = Q_ROWS + STAGES * TILE_ROWS
+    V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a latent tile
+    # mbarriers: FULL + s (stage s loaded), SCORED + STAGES·w + s (warpgroup w's scores of stage s done), Q_FULL
+    FULL, SCORED, Q_FULL = 0, STAGES, 3 * STAGES
+    BARRIERS = 3 * STAGES + 1
+    TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
+    SPLIT, WRITE_LSE = split, write_lse
+    bf16 = dtype == "bfloat16"
+    wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    pack = pack_bf16x2 if bf16 else pack_f16x2
+    narrow = NARROW[dtype]
+    init, scale_and_mask, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def locate(page_table, b, key, end, page_size, num_pages):
+        """(page, position) of latent row ``key`` of sequence ``b``; (0, 0) past ``end``."""
+        if key >= end:
+            return 0, 0
+        return min(max(page_table[b, key // page_size], 0), num_pages - 1), key % page_size
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile_async(view, bars, ckv, kpe, j, page, position, valid, group):
+        """Start this thread's copies of its row of latent tile ``j``, its warpgroup's panels (zeros
+        unless ``valid``); the stage's FULL barrier counts them in."""
+        tile_row0 = Q_ROWS + (j % STAGES) * TILE_ROWS
+        r, lane = (cuda.threadIdx.x % 128) // ROW_THREADS, cuda.threadIdx.x % ROW_THREADS
+        nbytes = 16 if valid else 0
+        first = group * (NOPE_CHUNKS // GROUPS) + lane
+        for i in range(OWN_NOPE):
+            c = first + ROW_THREADS * i
+            row, col = sw128_cell(tile_row0, BLOCK_N, r, 8 * c)
+            cp_async_16(view, row, col, ckv, (page, position, 8 * c), nbytes)
+        if group == 0:
+            for i in range(OWN_ROPE):
+                c = lane + ROW_THREADS * i
+                if ROPE_CHUNKS % ROW_THREADS == 0 or c < ROPE_CHUNKS:
+                    row, col = sw128_cell(tile_row0, BLOCK_N, r, 8 * (NOPE_CHUNKS + c))
+                    cp_async_16(view, row, col, kpe, (page, position, 8 * c), nbytes)
+        cp_async_mbarrier_arrive(bars, FULL + j % STAGES)
+
+    @cuda.jit(device=True, inline="always")
+    def wait_phase(bars, barrier, use):
+        """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
+        while not mbarrier_try_wait(bars, barrier, use % 2):
+            pass
+
+    @cuda.jit(device=True, inline="always")
+    def issue_scores(s, smem, start, j):
+        """Start ``S = Q Kⱼᵀ``: k-step ks reads 16 columns of panel ks // 4 of the Q and latent tiles."""
+        tile = start + 64 * (Q_ROWS + (j % STAGES) * TILE_ROWS)
+        wgmma_fence()
+        for ks in range(KSTEPS):
+            a_offset = start + 64 * (ks // 4) * HEADS_PER_BLOCK + 16 * (ks % 4)
+            b_offset = tile + 64 * (ks // 4) * BLOCK_N + 16 * (ks % 4)
+            wgmma_ss(s, BLOCK_N, smem, a_offset, b_offset, 0, False, ks > 0)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def issue_pv(acc, p_frag, smem, start, j, group):
+        """Start ``O[:, this warpgroup's columns] += P Vⱼ``, V the tile's ckv columns (panels), MN-major."""
+        v_tile = start + 64 * (Q_ROWS + (j % STAGES) * TILE_ROWS) + group * (COLS // 64) * V_PANEL
+        fence_registers(acc, O_REGS)
+        wgmma_fence()
+        for kk in range(PSTEPS):
+            wgmma_rs(acc, COLS, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
+                     smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def pack_p(p_frag, s):
+        """P as A fragments: the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
+        for kk in range(PSTEPS):
+            n = 2 * kk
+            p_frag[kk, 0] = pack(s[0, n, 0], s[0, n, 1])
+            p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
+            p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
+            p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
+
+    def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(BARRIERS, int64)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, VIEW_ROWS, 64)
+        b, head0 = cuda.blockIdx.z, cuda.blockIdx.y * HEADS_PER_BLOCK
+        split, splits = cuda.blockIdx.x, cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        group = warp // 4
+        heads, page_size, num_pages = q_nope.shape[1], ckv.shape[1], ckv.shape[0]
+        seqlen = min(max(seqlens[b], 0), page_table.shape[1] * page_size)
+        per_split = -(-seqlen // splits)
+        first, end = split * per_split, min(seqlen, (split + 1) * per_split)
+        n_tiles = max(0, -(-(end - first) // BLOCK_N))
+        my_row = (tid % 128) // ROW_THREADS  # the latent row of each tile this thread copies
+        other = (group + 1) % GROUPS
+
+        if tid == 0:
+            for stage in range(STAGES):
+                mbarrier_init(bars, FULL + stage, THREADS)
+                for w in range(GROUPS):
+                    mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
+            mbarrier_init(bars, Q_FULL, THREADS)
+        cuda.syncthreads()
+        page, position = 0, 0
+        if n_tiles > 0:
+            for idx in range(tid, HEADS_PER_BLOCK * CHUNKS, THREADS):  # the Q tile: [q_nope | q_pe] per head
+                r, c = idx // CHUNKS, idx % CHUNKS
+                valid = head0 + r < heads
+                h = head0 + r if valid else 0
+                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, 8 * c)
+                if c < NOPE_CHUNKS:
+                    cp_async_16(view, row, col, q_nope, (b, h, 8 * c), 16 if valid else 0)
+                else:
+                    cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
+            cp_async_mbarrier_arrive(bars, Q_FULL)
+            page, position = locate(page_table, b, first + my_row, end, page_size, num_pages)
+            for j in range(STAGES - 1):  # the first tiles; each thread's next page is looked up a tile ahead
+                if j < n_tiles:
+                    key = first + j * BLOCK_N + my_row
+                    load_tile_async(view, bars, ckv, kpe, j, page, position, key < end, group)
+                    page, position = locate(page_table, b, key + BLOCK_N, end, page_size, num_pages)
+            if group == GROUPS - 1:
+                barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
+
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        row_max = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((1, DTILES, 4), float32)
+        s = cuda.local.array((1, NTILES, 4), float32)
+        p_frag = cuda.local.array((PSTEPS, 4), uint32)
+        init(m_i, l_i, acc)
+
+        if n_tiles > 0:
+            wait_phase(bars, Q_FULL, 0)
+        for j in range(n_tiles):
+            wait_phase(bars, FULL + j % STAGES, j // STAGES)
+            fence_proxy_async()  # copies made visible to this thread become visible to wgmma
+            barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
+            if j > 0:
+                issue_pv(acc, p_frag, smem, start, j - 1, group)
+            issue_scores(s, smem, start, j)
+            barrier_arrive(TURN + other, THREADS)
+            # refill the stage of tile j - 1 with tile j + STAGES - 1: this warpgroup's panels are free
+            # once its P V(j - 1) is complete and the other warpgroup's scores of tile j - 1 are
+            ahead = j + STAGES - 1
+            if j > 0:
+                wgmma_wait(1)
+                fence_registers(acc, O_REGS)
+                if ahead < n_tiles:
+                    wait_phase(bars, SCORED + STAGES * other + (j - 1) % STAGES, (j - 1) // STAGES)
+            if ahead < n_tiles:
+                key = first + ahead * BLOCK_N + my_row
+                load_tile_async(view, bars, ckv, kpe, ahead, page, position, key < end, group)
+                page, position = locate(page_table, b, key + BLOCK_N, end, page_size, num_pages)
+            wgmma_wait(0)
+            fence_registers(s, S_REGS)
+            mbarrier_arrive(bars, SCORED + STAGES * group + j % STAGES)
+
+            n0 = first + j * BLOCK_N
+            scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
+            if update(s, m_i, l_i, row_max, alpha):
+                rescale(acc, alpha)
+            pack_p(p_frag, s)
+        if n_tiles > 0:
+            barrier_sync(TURN + group, THREADS)
+            issue_pv(acc, p_frag, smem, start, n_tiles - 1, group)
+            barrier_arrive(TURN + (group + 1) % GROUPS, THREADS)
+            wgmma_wait(0)
+            fence_registers(acc, O_REGS)
+
+        # both warpgroups hold the same row statistics: full sums over the lane quad, then their own columns
+        for half in range(2):
+            l_sum = l_i[half]
+            l_sum += shfl_xor_f32(l_sum, 1)
+            l_sum += shfl_xor_f32(l_sum, 2)
+            h = head0 + 16 * (warp % 4) + g + 8 * half
+            if h < heads:
+                inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                row_lse = m_i[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                for dt in range(DTILES):
+                    for e in range(2):
+                        col = group * COLS + 8 * dt + 2 * t + e
+                        value = acc[0, dt, 2 * half + e] * inv
+                        if SPLIT:
+                            o_part[b, h, 0, split, col] = value
+                        else:
+                            o[b, h, col] = narrow(value)
+                if group == 0 and t == 0:
+                    if SPLIT:
+                        lse_part[b, h, 0, split] = row_lse
+                    elif WRITE_LSE:
+                        lse[b, h] = row_lse * _LN2
+
+    if SIMULATOR:  # the simulator's jit takes no register limit
+        return cuda.jit(kernel)
+    return cuda.jit(kernel, max_registers=255)
