@@ -91,9 +91,10 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
     S_REGS, O_REGS = BLOCK_N // 2, COLS // 2
     CHUNKS, NOPE_CHUNKS = (R + P) // 8, R // 8  # 16-byte chunks of a latent row, of its ckv part
     ROW_THREADS = 128 // BLOCK_N  # threads of a warpgroup copying one latent row
-    OWN_NOPE = NOPE_CHUNKS // GROUPS // ROW_THREADS  # a thread's ckv chunks of the row (its warpgroup's columns)
+    PANEL_COPIES = 8 // ROW_THREADS  # a thread's chunks of a panel of its row
+    OWN_PANELS = R // 64 // GROUPS  # the ckv panels a warpgroup copies (and multiplies by P)
     ROPE_CHUNKS = P // 8
-    OWN_ROPE = -(-ROPE_CHUNKS // ROW_THREADS)  # warpgroup 0's threads: kpe chunks too
+    ROPE_PANELS = -(-ROPE_CHUNKS // 8)
     # shared memory as 128-byte rows of a 64-column view: the Q tile, then STAGES latent tiles
     Q_ROWS = PANELS * HEADS_PER_BLOCK
     TILE_ROWS = PANELS * BLOCK_N
@@ -112,52 +113,59 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
 
     @cuda.jit(device=True, inline="always")
     def locate(page_table, b, key, end, page_size, num_pages):
-        """(page, position) of latent row ``key`` of sequence ``b``; (0, 0) past ``end``."""
+        """(page, position) of latent row ``key`` of sequence ``b``; (0, 0) from ``end`` on."""
         if key >= end:
             return 0, 0
         return min(max(page_table[b, key // page_size], 0), num_pages - 1), key % page_size
 
     @cuda.jit(device=True, inline="always")
-    def load_tile_async(view, bars, ckv, kpe, j, page, position, valid, group):
-        """Start this thread's copies of its row of latent tile ``j``, its warpgroup's panels (zeros
-        unless ``valid``); the stage's FULL barrier counts them in."""
-        tile_row0 = Q_ROWS + (j % STAGES) * TILE_ROWS
-        r, lane = (cuda.threadIdx.x % 128) // ROW_THREADS, cuda.threadIdx.x % ROW_THREADS
+    def load_tile_async(view, bars, ckv, kpe, stage, page, position, valid, group, r, lane):
+        """Start this thread's copies into ring ``stage`` of its row ``r`` of a latent tile, its
+        warpgroup's panels (zeros unless ``valid``); the stage's FULL barrier counts them in.
+
+        The ``ROW_THREADS`` threads of a row take alternate 16-byte chunks (``lane`` the first),
+        so that together they read whole sectors; a chunk's place in the swizzled panel row
+        depends on the thread alone, the panel adds a constant."""
         nbytes = 16 if valid else 0
-        first = group * (NOPE_CHUNKS // GROUPS) + lane
-        for i in range(OWN_NOPE):
-            c = first + ROW_THREADS * i
-            row, col = sw128_cell(tile_row0, BLOCK_N, r, 8 * c)
-            cp_async_16(view, row, col, ckv, (page, position, 8 * c), nbytes)
-        if group == 0:
-            for i in range(OWN_ROPE):
-                c = lane + ROW_THREADS * i
-                if ROPE_CHUNKS % ROW_THREADS == 0 or c < ROPE_CHUNKS:
-                    row, col = sw128_cell(tile_row0, BLOCK_N, r, 8 * (NOPE_CHUNKS + c))
-                    cp_async_16(view, row, col, kpe, (page, position, 8 * c), nbytes)
-        cp_async_mbarrier_arrive(bars, FULL + j % STAGES)
+        row0 = Q_ROWS + stage * TILE_ROWS + r
+        for k in range(PANEL_COPIES):
+            chunk = lane + ROW_THREADS * k  # within the panel
+            col = (chunk ^ (r & 7)) * 8
+            for p in range(OWN_PANELS):
+                panel = group * OWN_PANELS + p
+                cp_async_16(view, row0 + panel * BLOCK_N, col, ckv, (page, position, 64 * panel + 8 * chunk), nbytes)
+            if group == 0:
+                for p in range(ROPE_PANELS):
+                    if ROPE_CHUNKS % 8 == 0 or 8 * p + chunk < ROPE_CHUNKS:
+                        cp_async_16(view, row0 + (R // 64 + p) * BLOCK_N, col, kpe, (page, position, 64 * p + 8 * chunk),
+                                    nbytes)
+        cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, inline="always")
-    def wait_phase(bars, barrier, use):
-        """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
-        while not mbarrier_try_wait(bars, barrier, use % 2):
+    def wait_phase(bars, barrier, parity):
+        """Wait for the completion of an mbarrier phase of this parity (phases count from 0)."""
+        while not mbarrier_try_wait(bars, barrier, parity):
             pass
 
     @cuda.jit(device=True, inline="always")
-    def issue_scores(s, smem, start, j):
-        """Start ``S = Q Kⱼᵀ``: k-step ks reads 16 columns of panel ks // 4 of the Q and latent tiles."""
-        tile = start + 64 * (Q_ROWS + (j % STAGES) * TILE_ROWS)
+    def issue_scores(s, smem, start, stage):
+        """Start ``S = Q Kᵀ`` on the tile in ring ``stage``: four k-steps per 64-column panel of the Q
+        and latent tiles (the offsets stay free of runtime divisions)."""
+        tile = start + 64 * (Q_ROWS + stage * TILE_ROWS)
         wgmma_fence()
-        for ks in range(KSTEPS):
-            a_offset = start + 64 * (ks // 4) * HEADS_PER_BLOCK + 16 * (ks % 4)
-            b_offset = tile + 64 * (ks // 4) * BLOCK_N + 16 * (ks % 4)
-            wgmma_ss(s, BLOCK_N, smem, a_offset, b_offset, 0, False, ks > 0)
+        for panel in range(PANELS):
+            a_panel = start + 64 * HEADS_PER_BLOCK * panel
+            b_panel = tile + 64 * BLOCK_N * panel
+            for u in range(4):
+                if KSTEPS % 4 == 0 or 4 * panel + u < KSTEPS:
+                    wgmma_ss(s, BLOCK_N, smem, a_panel + 16 * u, b_panel + 16 * u, 0, False, panel > 0 or u > 0)
         wgmma_commit()
 
     @cuda.jit(device=True, inline="always")
-    def issue_pv(acc, p_frag, smem, start, j, group):
-        """Start ``O[:, this warpgroup's columns] += P Vⱼ``, V the tile's ckv columns (panels), MN-major."""
-        v_tile = start + 64 * (Q_ROWS + (j % STAGES) * TILE_ROWS) + group * (COLS // 64) * V_PANEL
+    def issue_pv(acc, p_frag, smem, start, stage, group):
+        """Start ``O[:, this warpgroup's columns] += P V`` on the tile in ring ``stage``, V the tile's
+        ckv columns (panels), MN-major."""
+        v_tile = start + 64 * (Q_ROWS + stage * TILE_ROWS) + group * OWN_PANELS * V_PANEL
         fence_registers(acc, O_REGS)
         wgmma_fence()
         for kk in range(PSTEPS):
@@ -192,6 +200,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
         first, end = split * per_split, min(seqlen, (split + 1) * per_split)
         n_tiles = max(0, -(-(end - first) // BLOCK_N))
         my_row = (tid % 128) // ROW_THREADS  # the latent row of each tile this thread copies
+        my_lane = tid % ROW_THREADS
         other = (group + 1) % GROUPS
 
         if tid == 0:
@@ -202,6 +211,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
             mbarrier_init(bars, Q_FULL, THREADS)
         cuda.syncthreads()
         page, position = 0, 0
+        next_key = first + my_row  # this thread's row of the next tile to load
         if n_tiles > 0:
             for idx in range(tid, HEADS_PER_BLOCK * CHUNKS, THREADS):  # the Q tile: [q_nope | q_pe] per head
                 r, c = idx // CHUNKS, idx % CHUNKS
@@ -213,12 +223,12 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
                 else:
                     cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
             cp_async_mbarrier_arrive(bars, Q_FULL)
-            page, position = locate(page_table, b, first + my_row, end, page_size, num_pages)
+            page, position = locate(page_table, b, next_key, end, page_size, num_pages)
             for j in range(STAGES - 1):  # the first tiles; each thread's next page is looked up a tile ahead
                 if j < n_tiles:
-                    key = first + j * BLOCK_N + my_row
-                    load_tile_async(view, bars, ckv, kpe, j, page, position, key < end, group)
-                    page, position = locate(page_table, b, key + BLOCK_N, end, page_size, num_pages)
+                    load_tile_async(view, bars, ckv, kpe, j, page, position, next_key < end, group, my_row, my_lane)
+                    next_key += BLOCK_N
+                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
             if group == GROUPS - 1:
                 barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
@@ -233,39 +243,46 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
 
         if n_tiles > 0:
             wait_phase(bars, Q_FULL, 0)
+        # ring positions without runtime divisions: tile j sits in ``stage``, in its ``parity``-th use (mod 2)
+        stage, parity, prev_stage, prev_parity = 0, 0, STAGES - 1, 1
         for j in range(n_tiles):
-            wait_phase(bars, FULL + j % STAGES, j // STAGES)
+            wait_phase(bars, FULL + stage, parity)
             fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
             if j > 0:
-                issue_pv(acc, p_frag, smem, start, j - 1, group)
-            issue_scores(s, smem, start, j)
+                issue_pv(acc, p_frag, smem, start, prev_stage, group)
+            issue_scores(s, smem, start, stage)
             barrier_arrive(TURN + other, THREADS)
             # refill the stage of tile j - 1 with tile j + STAGES - 1: this warpgroup's panels are free
             # once its P V(j - 1) is complete and the other warpgroup's scores of tile j - 1 are
-            ahead = j + STAGES - 1
+            ahead = j + STAGES - 1 < n_tiles
             if j > 0:
                 wgmma_wait(1)
                 fence_registers(acc, O_REGS)
-                if ahead < n_tiles:
-                    wait_phase(bars, SCORED + STAGES * other + (j - 1) % STAGES, (j - 1) // STAGES)
-            if ahead < n_tiles:
-                key = first + ahead * BLOCK_N + my_row
-                load_tile_async(view, bars, ckv, kpe, ahead, page, position, key < end, group)
-                page, position = locate(page_table, b, key + BLOCK_N, end, page_size, num_pages)
+                if ahead:
+                    wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
+            if ahead:
+                load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
+                                my_lane)
+                next_key += BLOCK_N
+                page, position = locate(page_table, b, next_key, end, page_size, num_pages)
             wgmma_wait(0)
             fence_registers(s, S_REGS)
-            mbarrier_arrive(bars, SCORED + STAGES * group + j % STAGES)
+            mbarrier_arrive(bars, SCORED + STAGES * group + stage)
 
             n0 = first + j * BLOCK_N
             scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
             if update(s, m_i, l_i, row_max, alpha):
                 rescale(acc, alpha)
             pack_p(p_frag, s)
+            prev_stage, prev_parity = stage, parity
+            stage += 1
+            if stage == STAGES:
+                stage, parity = 0, parity ^ 1
         if n_tiles > 0:
             barrier_sync(TURN + group, THREADS)
-            issue_pv(acc, p_frag, smem, start, n_tiles - 1, group)
-            barrier_arrive(TURN + (group + 1) % GROUPS, THREADS)
+            issue_pv(acc, p_frag, smem, start, prev_stage, group)
+            barrier_arrive(TURN + other, THREADS)
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
 
