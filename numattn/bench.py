@@ -378,8 +378,9 @@ def main(args):
         from numattn.kernels.mla import MlaConfig
 
         results["copy_gbs"] = copy_gbs()
-        # the default, and the mma.sync kernel with either score schedule (sm_80 and later)
-        schedules = [MlaConfig(16, 4, 4, "duplicated"), MlaConfig(16, 4, 8, "sharded")]
+        # the default, the wgmma kernel's other score schedule (sm_90), and the mma.sync kernel with
+        # either schedule (sm_80 and later)
+        schedules = [MlaConfig(64, 2, 8, "shared", True), MlaConfig(16, 4, 4, "duplicated"), MlaConfig(16, 4, 8, "sharded")]
         results["mla"] = bench_mla(configs=[None, *schedules])
         print(f"MLA decode (FlashInfer's metric; device copy {results['copy_gbs']:.0f} GB/s):")
         for row in results["mla"]:

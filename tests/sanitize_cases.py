@@ -3,6 +3,8 @@
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tests/sanitize_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_cases.py
 
+(``python tests/sanitize_cases.py mla``: the MLA decode cases alone.)
+
 (``--report-api-errors no``: cuda-bindings probes driver entry points with ``cuGetProcAddress``,
 whose expected failures memcheck would count as errors.)
 """
@@ -33,6 +35,36 @@ DECODE_CASES = [  # dtype, batch, heads_q, heads_kv, max_seqlen, head_dim, page_
 ]
 
 
+MLA_CASES = [  # dtype, batch, heads, rank, rope, max_seqlen, page_size, configuration (None: default)
+    ("bfloat16", 2, 20, 512, 64, 300, 1, None),
+    ("float16", 3, 70, 256, 64, 200, 7, None),
+    ("float16", 2, 16, 512, 64, 260, 16, "shared"),  # the wgmma kernel's other schedule
+    ("bfloat16", 2, 16, 512, 0, 150, 3, "mma"),  # the mma.sync kernel
+]
+
+
+def run_mla_cases(rng):
+    from numattn.kernels.mla import MlaConfig
+    from numattn.ops import mla as module
+
+    configs = {"shared": MlaConfig(64, 2, 8, "shared", True), "mma": MlaConfig(16, 4, 8, "sharded")}
+    for dtype, b, h, rank, rope, length, page_size, name in MLA_CASES:
+        tdtype = getattr(torch, dtype)
+        pages = -(-length // page_size)
+        shapes = [(b, h, rank), (b, h, rope), (b * pages + 2, page_size, rank), (b * pages + 2, page_size, rope)]
+        arrays = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", tdtype) for s in shapes]
+        table = torch.from_numpy(rng.permutation(b * pages + 2)[: b * pages].reshape(b, pages).astype(np.int32)).cuda()
+        lengths = torch.from_numpy(rng.integers(0, length + 1, size=b).astype(np.int32)).cuda()
+        args = (*arrays, table, lengths)
+        if name is None:
+            o = numattn.mla_decode(*args, scale=0.1)
+        else:
+            o = module._TorchPlan(module._validate(*args, 0.1, False), configs[name], 2)(*args)
+        err = np.abs(o.double().cpu().numpy() - reference.mla_decode(*args, scale=0.1)).max()
+        print(f"mla {dtype} heads={h} rank={rank} rope={rope} page_size={page_size} {name or 'default'}: max err {err:.2e}")
+        assert err < 2e-2
+
+
 def run_decode_cases(rng):
     from numattn.bench import paged_copy
 
@@ -53,7 +85,12 @@ def run_decode_cases(rng):
 
 
 if __name__ == "__main__":
+    import sys
+
     rng = np.random.default_rng()
+    if sys.argv[1:] == ["mla"]:  # only the MLA cases
+        run_mla_cases(rng)
+        sys.exit()
     for dtype, causal, b, hq, hkv, sq, skv, d, dv, misaligned in CASES:
         tdtype = getattr(torch, dtype)
         q = torch.from_numpy(rng.standard_normal((b, hq, sq, d), dtype=np.float32)).to("cuda", tdtype)
@@ -65,3 +102,4 @@ if __name__ == "__main__":
         print(f"{dtype} causal={causal} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}: max err {err:.2e}")
         assert err < 2e-2
     run_decode_cases(rng)
+    run_mla_cases(rng)

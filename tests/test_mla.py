@@ -47,6 +47,7 @@ def _run_plan(args, config, splits, scale, return_lse):
         # the sm_90 wgmma kernel: 64-head blocks (20 heads: most rows padding), pages refilled in turn
         (128, 64, 20, 3, MlaConfig(32, 2, 8, "duplicated", True), 1, "float16"),
         (128, 0, 70, 1, MlaConfig(16, 3, 8, "duplicated", True), 2, "bfloat16"),  # two head blocks
+        (256, 16, 24, 2, MlaConfig(32, 3, 8, "shared", True), 2, "float16"),  # P handed over in shared memory
     ],
 )
 def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config, splits, dtype):
@@ -81,8 +82,9 @@ def test_mla_configurations_fit_each_architecture(rank, rope, cc):
     if cc in ((8, 6), (8, 9)):
         largest = max(mla_candidates(rank, rope, (9, 0)), key=lambda c: mla_shared_bytes(c, rank, rope))
         assert largest not in candidates
-    if (rank, rope) == (512, 64):
-        assert {c.qk for c in candidates} == {"duplicated", "sharded"}
+    if (rank, rope) == (512, 64):  # both score schedules of each kernel
+        assert {c.qk for c in candidates if not c.wgmma} == {"duplicated", "sharded"}
+        assert {c.qk for c in candidates if c.wgmma} == ({"duplicated", "shared"} if cc == (9, 0) else set())
     # the wgmma kernel is offered (and chosen) on sm_90 only
     assert any(c.wgmma for c in candidates) == (cc == (9, 0))
     assert mla_default_config(rank, rope, cc).wgmma == (cc == (9, 0))
@@ -120,7 +122,13 @@ def test_mla_bad_input_errors(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "config", [MlaConfig(16, 4, 8, "duplicated"), MlaConfig(16, 4, 8, "sharded"), MlaConfig(64, 2, 8, "duplicated", True)]
+    "config",
+    [
+        MlaConfig(16, 4, 8, "duplicated"),
+        MlaConfig(16, 4, 8, "sharded"),
+        MlaConfig(64, 2, 8, "duplicated", True),
+        MlaConfig(64, 2, 8, "shared", True),
+    ],
 )
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):

@@ -66,7 +66,7 @@ class MlaConfig:
     ``block_n`` latent rows per tile (a multiple of 16), ``stages`` tiles in the
     ``cp.async`` ring, ``warps`` warps per block (each owns ``R / warps`` output
     columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring);
-    ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps, scores duplicated).
+    ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps; ``qk`` "duplicated" or "shared").
     """
 
     block_n: int
@@ -84,7 +84,7 @@ class MlaConfig:
 def mla_shared_bytes(config, rank, rope):
     """Dynamic shared memory of the kernel: the Q tile, the ring of latent tiles, the score exchange."""
     if config.wgmma:
-        return mla_wgmma_shared_bytes(config.block_n, config.stages, rank, rope)
+        return mla_wgmma_shared_bytes(config.block_n, config.stages, rank, rope, config.qk == "shared")
     row = tile_row_elems(rank + rope)
     exchange = config.warps * HEAD_ROWS * config.block_n * 4 if config.qk == "sharded" else 0
     return 2 * (HEAD_ROWS + config.stages * config.block_n) * row + exchange
@@ -111,15 +111,16 @@ def mla_registers_estimate(config, rank, rope):
 
 def mla_config_error(config, rank, rope, cc):
     """Why ``config`` cannot run rank ``rank``, rope dim ``rope`` on compute capability ``cc`` (None if it can)."""
-    if config.qk not in ("duplicated", "sharded"):
-        return f"qk must be 'duplicated' or 'sharded', got {config.qk!r}"
+    schedules = ("duplicated", "shared") if config.wgmma else ("duplicated", "sharded")
+    if config.qk not in schedules:
+        return f"qk must be one of {schedules}, got {config.qk!r}"
     if config.block_n % 16 or config.stages < 2 or config.warps < 1:
         return "block_n must be a multiple of 16, stages at least 2, warps at least 1"
     if config.wgmma:
         if tuple(cc) != (9, 0):
             return "the wgmma kernel runs on sm_90 only"
-        if config.warps != 8 or config.qk != "duplicated" or 256 % config.block_n:
-            return "the wgmma kernel takes 8 warps, duplicated scores and block_n dividing 256"
+        if config.warps != 8 or config.block_n > 64:
+            return "the wgmma kernel takes 8 warps and block_n up to 64"
         if rank % 128:
             return f"the wgmma kernel takes kv_lora_rank multiples of 128, got {rank}"
     if rank % (16 * config.warps):
@@ -146,13 +147,19 @@ def mla_candidates(rank, rope, cc):
         for warps in (4, 8)
         for qk in ("duplicated", "sharded")
     ]
-    space += [MlaConfig(block_n, stages, 8, "duplicated", True) for block_n in (16, 32, 64) for stages in (2, 3, 4, 6)]
+    space += [
+        MlaConfig(block_n, stages, 8, qk, True)
+        for block_n in (16, 32, 64)
+        for stages in (2, 3, 4, 6)
+        for qk in ("duplicated", "shared")
+    ]
     return [c for c in space if mla_config_error(c, rank, rope, cc) is None]
 
 
 def mla_default_config(rank, rope, cc):
-    """The choice among ``mla_candidates``: the wgmma kernel where it runs, with the largest tiles, then
-    the most stages (on an H100, block_n counted for more than stages: docs/benchmarks.md); otherwise
+    """The choice among ``mla_candidates``: the wgmma kernel where it runs, with the largest tiles, scores
+    duplicated, then the most stages (measured on an H100: block_n counted for more than stages, and
+    duplicated scores beat shared ones; docs/benchmarks.md); otherwise
     the most latent bytes in flight per SM (two blocks per SM where they fit), then sharded scores,
     then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
@@ -163,7 +170,7 @@ def mla_default_config(rank, rope, cc):
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))
         if c.wgmma:
-            return (1, c.block_n, c.stages, 0)
+            return (1, c.block_n, c.qk == "duplicated", c.stages)
         return (0, blocks * (c.stages - 1) * c.block_n, c.qk == "sharded", -c.warps)
 
     return max(candidates, key=score)
@@ -183,7 +190,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     the cache and lengths into the page table's capacity.
     """
     if config.wgmma:
-        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, split, write_lse)
+        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split, write_lse)
     R, P, BLOCK_N, STAGES, WARPS = rank, rope, config.block_n, config.stages, config.warps
     THREADS = 32 * WARPS
     SHARDED = config.qk == "sharded"

@@ -9,19 +9,24 @@ track when a buffer is full (every thread's ``cp.async`` copies landed) and
 empty (both warpgroups are done with it), as in ``attention_wgmma.py``.
 
 Two warpgroups divide the ``R`` output columns (``R / 2`` accumulator
-columns each, 128 registers per thread at ``R`` = 512). Each computes the
-whole score tile ``S = Q Kᵀ`` itself (``qk`` "duplicated": the 64 × ``block_n``
-scores are needed by both, and recomputing them costs fewer cycles than
-handing them over), runs the online softmax, and adds ``P V`` for its columns
-with P from registers. The warpgroups take turns on the tensor cores (named
-barriers), so one's softmax overlaps the other's products.
+columns each, 128 registers per thread at ``R`` = 512); both need the whole
+64 × ``block_n`` score tile ``S = Q Kᵀ``. Two schedules (``qk``):
+
+* ``"duplicated"``: each warpgroup computes S itself, runs the online
+  softmax, and adds ``P V`` for its columns with P from registers. The
+  warpgroups take turns on the tensor cores (named barriers), so one's
+  softmax overlaps the other's products.
+* ``"shared"``: warpgroup 0 alone computes S and the softmax, and hands P
+  (a swizzled tile, the A operand of warpgroup 1's ``P V``) and the rows'
+  rescaling factors to warpgroup 1 through shared memory (mbarriers: P ready,
+  P read). Half the score products and half the shared-memory reads of Q.
 
 Each warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
 ``kpe`` columns), so that it can refill a buffer as soon as its own ``P V``
-of the buffer's tile is complete and the other warpgroup's scores of that
-tile are (an mbarrier per buffer and warpgroup), without waiting for the
-other warpgroup's ``P V``: with two buffers, the next tile then loads during
-the scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
+of the buffer's tile is complete and the tile's scores are (an mbarrier per
+buffer and warpgroup when duplicated), without waiting for the other
+warpgroup's ``P V``: with two buffers, the next tile then loads during the
+scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
 share a latent row, so a thread looks up one page per tile, a tile ahead.
 """
 
@@ -48,6 +53,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    st_shared_b32,
     wgmma_commit,
     wgmma_fence,
     wgmma_rs_bf16,
@@ -72,18 +78,27 @@ def wgmma_panels(rank, rope):
     return -(-(rank + rope) // 64)
 
 
-def mla_wgmma_shared_bytes(block_n, stages, rank, rope):
-    """The Q tile of 64 heads and ``stages`` latent tiles, in whole panels, and slack to align them."""
-    return 2 * 64 * wgmma_panels(rank, rope) * (HEADS_PER_BLOCK + stages * block_n) + SW128_ALIGN
+# the shared schedule's P tile (one 64-column panel of 64 rows) and float32 row statistics:
+# rescaling factors, then each row's final sum and max, then a rescale flag per warp
+P_TILE_BYTES = 2 * 64 * HEADS_PER_BLOCK
+STATS = 3 * HEADS_PER_BLOCK + 4
+
+
+def mla_wgmma_shared_bytes(block_n, stages, rank, rope, shared_scores):
+    """The Q tile of 64 heads and ``stages`` latent tiles, in whole panels, slack to align them, and
+    with ``shared_scores`` the P tile and row statistics."""
+    tiles = 2 * 64 * wgmma_panels(rank, rope) * (HEADS_PER_BLOCK + stages * block_n) + SW128_ALIGN
+    return tiles + (P_TILE_BYTES + 4 * STATS if shared_scores else 0)
 
 
 @functools.lru_cache(maxsize=None)
-def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
+def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     """Numba kernel with the arguments of ``mla.mla_decode_kernel``; grid ``(S, cdiv(H, 64), B)``,
     ``THREADS`` threads, ``mla_wgmma_shared_bytes`` of dynamic shared memory. ``rank`` a multiple
-    of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 dividing
-    ``THREADS``."""
+    of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 up to 64,
+    ``qk`` "duplicated" or "shared"."""
     R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
+    SHARED = qk == "shared"
     PANELS = wgmma_panels(R, P)
     KSTEPS, PSTEPS = (R + P) // 16, BLOCK_N // 16  # k-steps of S = Q Kᵀ and of O += P V
     COLS = R // GROUPS  # output columns per warpgroup
@@ -98,11 +113,14 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
     # shared memory as 128-byte rows of a 64-column view: the Q tile, then STAGES latent tiles
     Q_ROWS = PANELS * HEADS_PER_BLOCK
     TILE_ROWS = PANELS * BLOCK_N
-    VIEW_ROWS = Q_ROWS + STAGES * TILE_ROWS
+    P_ROW0 = Q_ROWS + STAGES * TILE_ROWS  # the shared schedule's P tile, then its row statistics
+    VIEW_ROWS = P_ROW0 + (HEADS_PER_BLOCK if SHARED else 0)
     V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a latent tile
-    # mbarriers: FULL + s (stage s loaded), SCORED + STAGES·w + s (warpgroup w's scores of stage s done), Q_FULL
-    FULL, SCORED, Q_FULL = 0, STAGES, 3 * STAGES
-    BARRIERS = 3 * STAGES + 1
+    ALPHA, L_FINAL, M_FINAL, FLAGS = 0, HEADS_PER_BLOCK, 2 * HEADS_PER_BLOCK, 3 * HEADS_PER_BLOCK
+    # mbarriers: FULL + s (stage s loaded), Q_FULL; duplicated: SCORED + STAGES·w + s (warpgroup w's
+    # scores of stage s done); shared: P_READY (warpgroup 0 wrote P), P_FREE (warpgroup 1 read it)
+    FULL, Q_FULL, SCORED, P_READY, P_FREE = 0, STAGES, STAGES + 1, STAGES + 1, STAGES + 2
+    BARRIERS = STAGES + 3 if SHARED else 3 * STAGES + 1
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
     SPLIT, WRITE_LSE = split, write_lse
     bf16 = dtype == "bfloat16"
@@ -174,6 +192,33 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
         wgmma_commit()
 
     @cuda.jit(device=True, inline="always")
+    def issue_pv_shared(acc, smem, start, stage):
+        """Warpgroup 1 of the shared schedule: ``O[:, its columns] += P V`` with P from the P tile."""
+        v_tile = start + 64 * (Q_ROWS + stage * TILE_ROWS) + OWN_PANELS * V_PANEL
+        p_tile = start + 64 * P_ROW0
+        fence_registers(acc, O_REGS)
+        wgmma_fence()
+        for kk in range(PSTEPS):
+            wgmma_ss(acc, COLS, smem, p_tile + 16 * kk, v_tile + 64 * 16 * kk, V_PANEL, True, True)
+        wgmma_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def share_p(view, stats, p_frag, alpha, rescaled, warp, g, t):
+        """Warpgroup 0 of the shared schedule: P into the swizzled P tile (row-major, K-major A operand
+        of warpgroup 1), the warp's rescale flag and, when set, its rows' factors."""
+        for kk in range(PSTEPS):
+            for half in range(2):
+                r = 16 * warp + g + 8 * half
+                for e in range(2):  # fragment entries 2·e + half: columns 16kk + 8e + 2t, + 1
+                    row, col = sw128_cell(P_ROW0, HEADS_PER_BLOCK, r, 16 * kk + 8 * e)
+                    st_shared_b32(view, row, col + 2 * t, p_frag[kk, 2 * e + half])
+        if rescaled and t == 0:
+            for half in range(2):
+                stats[ALPHA + 16 * warp + g + 8 * half] = alpha[half]
+        if cuda.threadIdx.x % 32 == 0:
+            stats[FLAGS + warp] = _ONE if rescaled else _ZERO
+
+    @cuda.jit(device=True, inline="always")
     def pack_p(p_frag, s):
         """P as A fragments: the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
         for kk in range(PSTEPS):
@@ -206,12 +251,19 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
         if tid == 0:
             for stage in range(STAGES):
                 mbarrier_init(bars, FULL + stage, THREADS)
-                for w in range(GROUPS):
-                    mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
+                if not SHARED:
+                    for w in range(GROUPS):
+                        mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
             mbarrier_init(bars, Q_FULL, THREADS)
+            if SHARED:
+                mbarrier_init(bars, P_READY, 128)
+                mbarrier_init(bars, P_FREE, 128)
         cuda.syncthreads()
         page, position = 0, 0
         next_key = first + my_row  # this thread's row of the next tile to load
+        # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
+        # refills a stage after its P V; the others fill all but one, refilled before their P V
+        prologue = STAGES if SHARED and group == 1 else STAGES - 1
         if n_tiles > 0:
             for idx in range(tid, HEADS_PER_BLOCK * CHUNKS, THREADS):  # the Q tile: [q_nope | q_pe] per head
                 r, c = idx // CHUNKS, idx % CHUNKS
@@ -224,12 +276,12 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
                     cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
             cp_async_mbarrier_arrive(bars, Q_FULL)
             page, position = locate(page_table, b, next_key, end, page_size, num_pages)
-            for j in range(STAGES - 1):  # the first tiles; each thread's next page is looked up a tile ahead
+            for j in range(prologue):  # each thread's next page is looked up a tile ahead
                 if j < n_tiles:
                     load_tile_async(view, bars, ckv, kpe, j, page, position, next_key < end, group, my_row, my_lane)
                     next_key += BLOCK_N
                     page, position = locate(page_table, b, next_key, end, page_size, num_pages)
-            if group == GROUPS - 1:
+            if not SHARED and group == GROUPS - 1:
                 barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
         m_i = cuda.local.array(2, float32)
@@ -240,61 +292,110 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, split, write_lse):
         s = cuda.local.array((1, NTILES, 4), float32)
         p_frag = cuda.local.array((PSTEPS, 4), uint32)
         init(m_i, l_i, acc)
+        stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]  # the shared schedule's
 
         if n_tiles > 0:
             wait_phase(bars, Q_FULL, 0)
         # ring positions without runtime divisions: tile j sits in ``stage``, in its ``parity``-th use (mod 2)
         stage, parity, prev_stage, prev_parity = 0, 0, STAGES - 1, 1
+        scorer = not SHARED or group == 0
         for j in range(n_tiles):
-            wait_phase(bars, FULL + stage, parity)
-            fence_proxy_async()  # copies made visible to this thread become visible to wgmma
-            barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
-            if j > 0:
-                issue_pv(acc, p_frag, smem, start, prev_stage, group)
-            issue_scores(s, smem, start, stage)
-            barrier_arrive(TURN + other, THREADS)
-            # refill the stage of tile j - 1 with tile j + STAGES - 1: this warpgroup's panels are free
-            # once its P V(j - 1) is complete and the other warpgroup's scores of tile j - 1 are
-            ahead = j + STAGES - 1 < n_tiles
-            if j > 0:
-                wgmma_wait(1)
-                fence_registers(acc, O_REGS)
+            if scorer:
+                wait_phase(bars, FULL + stage, parity)
+                fence_proxy_async()  # copies made visible to this thread become visible to wgmma
+                if not SHARED:
+                    barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
+                if j > 0:
+                    issue_pv(acc, p_frag, smem, start, prev_stage, group)
+                issue_scores(s, smem, start, stage)
+                if not SHARED:
+                    barrier_arrive(TURN + other, THREADS)
+                # refill the stage of tile j - 1 with tile j + STAGES - 1: this warpgroup's panels are free
+                # once its P V(j - 1) is complete and the scores of tile j - 1 (the other's, when duplicated) are
+                ahead = j + STAGES - 1 < n_tiles
+                if j > 0:
+                    wgmma_wait(1)
+                    fence_registers(acc, O_REGS)
+                    if ahead and not SHARED:
+                        wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
                 if ahead:
-                    wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
-            if ahead:
-                load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
-                                my_lane)
-                next_key += BLOCK_N
-                page, position = locate(page_table, b, next_key, end, page_size, num_pages)
-            wgmma_wait(0)
-            fence_registers(s, S_REGS)
-            mbarrier_arrive(bars, SCORED + STAGES * group + stage)
+                    load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
+                                    my_lane)
+                    next_key += BLOCK_N
+                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
+                wgmma_wait(0)
+                fence_registers(s, S_REGS)
+                if not SHARED:
+                    mbarrier_arrive(bars, SCORED + STAGES * group + stage)
 
-            n0 = first + j * BLOCK_N
-            scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
-            if update(s, m_i, l_i, row_max, alpha):
-                rescale(acc, alpha)
-            pack_p(p_frag, s)
+                n0 = first + j * BLOCK_N
+                scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
+                rescaled = update(s, m_i, l_i, row_max, alpha)
+                if rescaled:
+                    rescale(acc, alpha)
+                pack_p(p_frag, s)
+                if SHARED:  # hand P over once warpgroup 1 has read the previous one
+                    if j > 0:
+                        wait_phase(bars, P_FREE, (j - 1) & 1)
+                    share_p(view, stats, p_frag, alpha, rescaled, warp, g, t)
+                    fence_proxy_async()
+                    mbarrier_arrive(bars, P_READY)
+            else:
+                wait_phase(bars, P_READY, j & 1)
+                if stats[FLAGS + warp % 4] != _ZERO:
+                    for half in range(2):
+                        factor = stats[ALPHA + 16 * (warp % 4) + g + 8 * half]
+                        for dt in range(DTILES):
+                            acc[0, dt, 2 * half] *= factor
+                            acc[0, dt, 2 * half + 1] *= factor
+                wait_phase(bars, FULL + stage, parity)
+                fence_proxy_async()
+                issue_pv_shared(acc, smem, start, stage)
+                wgmma_wait(0)
+                fence_registers(acc, O_REGS)
+                mbarrier_arrive(bars, P_FREE)
+                if j + STAGES < n_tiles:  # this warpgroup's panels of the stage are free
+                    load_tile_async(view, bars, ckv, kpe, stage, page, position, next_key < end, group, my_row,
+                                    my_lane)
+                    next_key += BLOCK_N
+                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
             prev_stage, prev_parity = stage, parity
             stage += 1
             if stage == STAGES:
                 stage, parity = 0, parity ^ 1
-        if n_tiles > 0:
-            barrier_sync(TURN + group, THREADS)
+        if n_tiles > 0 and scorer:
+            if not SHARED:
+                barrier_sync(TURN + group, THREADS)
             issue_pv(acc, p_frag, smem, start, prev_stage, group)
-            barrier_arrive(TURN + other, THREADS)
+            if not SHARED:
+                barrier_arrive(TURN + other, THREADS)
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
 
-        # both warpgroups hold the same row statistics: full sums over the lane quad, then their own columns
+        # the scorers' row statistics: full sums over the lane quad (handed to warpgroup 1 when shared)
+        l_row = cuda.local.array(2, float32)
+        m_row = cuda.local.array(2, float32)
         for half in range(2):
             l_sum = l_i[half]
             l_sum += shfl_xor_f32(l_sum, 1)
             l_sum += shfl_xor_f32(l_sum, 2)
+            l_row[half], m_row[half] = l_sum, m_i[half]
+        if SHARED:
+            if group == 0 and t == 0:
+                for half in range(2):
+                    stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
+                    stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
+            cuda.syncthreads()
+            if group == 1:
+                for half in range(2):
+                    l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
+                    m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
+        for half in range(2):
+            l_sum = l_row[half]
             h = head0 + 16 * (warp % 4) + g + 8 * half
             if h < heads:
                 inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
-                row_lse = m_i[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 for dt in range(DTILES):
                     for e in range(2):
                         col = group * COLS + 8 * dt + 2 * t + e
