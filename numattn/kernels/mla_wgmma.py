@@ -43,6 +43,7 @@ from .ptx import (
     aligned_start,
     barrier_arrive,
     barrier_sync,
+    copy_16_to_global,
     cp_async_16,
     cp_async_mbarrier_arrive,
     fence_proxy_async,
@@ -62,7 +63,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from .tiles import NARROW, sw128_cell, tile_view
+from .tiles import sw128_cell, tile_view
 
 HEADS_PER_BLOCK = 64  # one m64 product
 GROUPS = 2  # warpgroups, each owning half the output columns
@@ -96,7 +97,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     """Numba kernel with the arguments of ``mla.mla_decode_kernel``; grid ``(S, cdiv(H, 64), B)``,
     ``THREADS`` threads, ``mla_wgmma_shared_bytes`` of dynamic shared memory. ``rank`` a multiple
     of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 up to 64,
-    ``qk`` "duplicated" or "shared"."""
+    ``qk`` "duplicated" or "shared"; ``o`` with contiguous rows starting at 16-byte boundaries."""
     R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
     SHARED = qk == "shared"
     PANELS = wgmma_panels(R, P)
@@ -126,7 +127,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
-    narrow = NARROW[dtype]
     init, scale_and_mask, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
 
     @cuda.jit(device=True, inline="always")
@@ -390,25 +390,34 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 for half in range(2):
                     l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
                     m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
+        if not SPLIT:
+            cuda.syncthreads()  # both warpgroups' last products are complete: the Q tile is free
         for half in range(2):
             l_sum = l_row[half]
-            h = head0 + 16 * (warp % 4) + g + 8 * half
-            if h < heads:
-                inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
-                row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+            r = 16 * (warp % 4) + g + 8 * half
+            h = head0 + r
+            inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
+            if SPLIT:
+                if h < heads:
+                    for dt in range(DTILES):
+                        for e in range(2):
+                            o_part[b, h, 0, split, group * COLS + 8 * dt + 2 * t + e] = acc[0, dt, 2 * half + e] * inv
+            else:  # the output rows go out through the Q tile, so that each global store is a 16-byte chunk
                 for dt in range(DTILES):
-                    for e in range(2):
-                        col = group * COLS + 8 * dt + 2 * t + e
-                        value = acc[0, dt, 2 * half + e] * inv
-                        if SPLIT:
-                            o_part[b, h, 0, split, col] = value
-                        else:
-                            o[b, h, col] = narrow(value)
-                if group == 0 and t == 0:
-                    if SPLIT:
-                        lse_part[b, h, 0, split] = row_lse
-                    elif WRITE_LSE:
-                        lse[b, h] = row_lse * _LN2
+                    row, col = sw128_cell(0, HEADS_PER_BLOCK, r, group * COLS + 8 * dt)
+                    st_shared_b32(view, row, col + 2 * t, pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv))
+            if h < heads and group == 0 and t == 0:
+                row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                if SPLIT:
+                    lse_part[b, h, 0, split] = row_lse
+                elif WRITE_LSE:
+                    lse[b, h] = row_lse * _LN2
+        if not SPLIT:
+            cuda.syncthreads()
+            for idx in range(tid, min(HEADS_PER_BLOCK, heads - head0) * NOPE_CHUNKS, THREADS):
+                r, c = idx // NOPE_CHUNKS, 8 * (idx % NOPE_CHUNKS)
+                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, c)
+                copy_16_to_global(o, (b, head0 + r, c), view, row, col)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)
