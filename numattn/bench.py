@@ -380,7 +380,11 @@ def main(args):
         results["copy_gbs"] = copy_gbs()
         # the default, the wgmma kernel's other score schedule (sm_90), and the mma.sync kernel with
         # either schedule (sm_80 and later)
-        schedules = [MlaConfig(64, 2, 8, "shared", True), MlaConfig(16, 4, 4, "duplicated"), MlaConfig(16, 4, 8, "sharded")]
+        schedules = [
+            MlaConfig(64, 2, 8, "shared", True),
+            MlaConfig(16, 4, 4, "duplicated"),
+            MlaConfig(16, 4, 8, "sharded"),
+        ]
         results["mla"] = bench_mla(configs=[None, *schedules])
         print(f"MLA decode (FlashInfer's metric; device copy {results['copy_gbs']:.0f} GB/s):")
         for row in results["mla"]:

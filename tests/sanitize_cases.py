@@ -61,7 +61,8 @@ def run_mla_cases(rng):
         else:
             o = module._TorchPlan(module._validate(*args, 0.1, False), configs[name], 2)(*args)
         err = np.abs(o.double().cpu().numpy() - reference.mla_decode(*args, scale=0.1)).max()
-        print(f"mla {dtype} heads={h} rank={rank} rope={rope} page_size={page_size} {name or 'default'}: max err {err:.2e}")
+        where = f"heads={h} rank={rank} rope={rope} page_size={page_size}"
+        print(f"mla {dtype} {where} {name or 'default'}: max err {err:.2e}")
         assert err < 2e-2
 
 

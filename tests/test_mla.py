@@ -46,7 +46,7 @@ def _run_plan(args, config, splits, scale, return_lse):
         (64, 16, 16, 3, MlaConfig(16, 2, 2, "duplicated"), 2, "bfloat16"),
         # the sm_90 wgmma kernel: 64-head blocks (20 heads: most rows padding), pages refilled in turn
         (128, 64, 20, 3, MlaConfig(32, 2, 8, "duplicated", True), 1, "float16"),
-        (128, 0, 70, 1, MlaConfig(16, 3, 8, "duplicated", True), 2, "bfloat16"),  # two head blocks
+        (128, 0, 70, 1, MlaConfig(16, 3, 8, "duplicated", True), 1, "bfloat16"),  # two head blocks
         (256, 16, 24, 2, MlaConfig(32, 3, 8, "shared", True), 2, "float16"),  # P handed over in shared memory
     ],
 )

@@ -155,8 +155,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
             if group == 0:
                 for p in range(ROPE_PANELS):
                     if ROPE_CHUNKS % 8 == 0 or 8 * p + chunk < ROPE_CHUNKS:
-                        cp_async_16(view, row0 + (R // 64 + p) * BLOCK_N, col, kpe, (page, position, 64 * p + 8 * chunk),
-                                    nbytes)
+                        rope_row = row0 + (R // 64 + p) * BLOCK_N
+                        cp_async_16(view, rope_row, col, kpe, (page, position, 64 * p + 8 * chunk), nbytes)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, inline="always")
@@ -292,7 +292,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
         s = cuda.local.array((1, NTILES, 4), float32)
         p_frag = cuda.local.array((PSTEPS, 4), uint32)
         init(m_i, l_i, acc)
-        stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]  # the shared schedule's
+        # the shared schedule's row statistics, after the P tile (a view that the duplicated one never reads)
+        stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]
 
         if n_tiles > 0:
             wait_phase(bars, Q_FULL, 0)
@@ -405,7 +406,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
             else:  # the output rows go out through the Q tile, so that each global store is a 16-byte chunk
                 for dt in range(DTILES):
                     row, col = sw128_cell(0, HEADS_PER_BLOCK, r, group * COLS + 8 * dt)
-                    st_shared_b32(view, row, col + 2 * t, pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv))
+                    pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
+                    st_shared_b32(view, row, col + 2 * t, pair)
             if h < heads and group == 0 and t == 0:
                 row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 if SPLIT:
