@@ -56,7 +56,7 @@ REGISTERS_PER_SM = 65_536
 MAX_REGISTERS_PER_THREAD = 255
 _REGISTER_BASE = 100  # addresses, loop state, softmax statistics
 _SHARDED_REGISTERS = 60  # the exchange of partial scores
-_WGMMA_REGISTER_BASE = 64
+_WGMMA_REGISTER_BASE = 64  # descriptors, barriers' phases, copy addresses, softmax statistics
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,9 @@ def mla_registers_estimate(config, rank, rope):
     duplicated 156 registers, estimate 184; sharded 254, estimate 244; block_n 32, 8 warps,
     duplicated 224, estimate 232), the configurations that spilled are estimated above 255
     (block_n 32, 4 warps at rank 512: 300; block_n 32, 8 warps, sharded at rank 256: 260).
-    The wgmma kernel keeps its accumulator (half the columns of 64 rows), scores and P fragments."""
+    The wgmma kernel keeps its accumulator (half the columns of 64 rows), scores and P fragments;
+    at rank 512, rope 64, block_n 64 ptxas gives it 255 registers and 60–124 bytes of spills
+    (estimate 232), block_n 128 would not fit."""
     if config.wgmma:
         return _WGMMA_REGISTER_BASE + rank // 4 + config.block_n // 2 + config.block_n // 8
     accumulator = HEAD_ROWS * (rank // config.warps) // 32
@@ -157,11 +159,10 @@ def mla_candidates(rank, rope, cc):
 
 
 def mla_default_config(rank, rope, cc):
-    """The choice among ``mla_candidates``: the wgmma kernel where it runs, with the largest tiles, scores
-    duplicated, then the most stages (measured on an H100: block_n counted for more than stages, and
-    duplicated scores beat shared ones; docs/benchmarks.md); otherwise
-    the most latent bytes in flight per SM (two blocks per SM where they fit), then sharded scores,
-    then fewer warps."""
+    """The choice among ``mla_candidates``. Where the wgmma kernel runs: the largest tiles, duplicated
+    scores, then the most stages (measured on an H100: block_n counted for more than stages, and
+    duplicated scores beat shared ones; docs/benchmarks.md). Elsewhere: the most latent bytes in
+    flight per SM (two blocks per SM where they fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
@@ -187,7 +188,8 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     ``[B, H, 1, S, R]`` and lse_part ``[B, H, 1, S]`` float32 (log2 domain) for
     the decode combine kernel. Grid ``(S, cdiv(H, heads_per_block), B)``, ``32 · warps`` threads,
     ``mla_shared_bytes`` of dynamic shared memory. Page indices are clamped into
-    the cache and lengths into the page table's capacity.
+    the cache and lengths into the page table's capacity. The wgmma kernel writes
+    ``o`` in 16-byte chunks: its rows contiguous, 16-byte aligned.
     """
     if config.wgmma:
         return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split, write_lse)
