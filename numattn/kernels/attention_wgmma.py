@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .online_softmax import softmax_steps
+from .online_softmax import p_fragments, softmax_steps
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -156,6 +156,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
+    pack_p = p_fragments(PSTEPS, dtype)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
@@ -195,16 +196,6 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             wgmma_rs(acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
                      smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
         wgmma_commit()
-
-    @cuda.jit(device=True, inline="always")
-    def pack_p(p_frag, s):
-        """P as A fragments: the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
-        for kk in range(PSTEPS):
-            n = 2 * kk
-            p_frag[kk, 0] = pack(s[0, n, 0], s[0, n, 1])
-            p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
-            p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
-            p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
 
     @cuda.jit(device=True, inline="always")
     def store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t):

@@ -37,7 +37,7 @@ import numpy as np
 from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .online_softmax import softmax_steps
+from .online_softmax import p_fragments, softmax_steps
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -128,6 +128,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     init, scale_and_mask, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
+    pack_p = p_fragments(PSTEPS, dtype)
 
     @cuda.jit(device=True, inline="always")
     def locate(page_table, b, key, end, page_size, num_pages):
@@ -217,16 +218,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 stats[ALPHA + 16 * warp + g + 8 * half] = alpha[half]
         if cuda.threadIdx.x % 32 == 0:
             stats[FLAGS + warp] = _ONE if rescaled else _ZERO
-
-    @cuda.jit(device=True, inline="always")
-    def pack_p(p_frag, s):
-        """P as A fragments: the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
-        for kk in range(PSTEPS):
-            n = 2 * kk
-            p_frag[kk, 0] = pack(s[0, n, 0], s[0, n, 1])
-            p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
-            p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
-            p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
 
     def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
         smem = cuda.shared.array(0, uint16)

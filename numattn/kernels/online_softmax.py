@@ -17,7 +17,7 @@ import numpy as np
 from numba import float32
 
 from .._cuda import cuda
-from .ptx import ballot, ex2_approx, shfl_xor_f32
+from .ptx import ballot, ex2_approx, pack_bf16x2, pack_f16x2, shfl_xor_f32
 from .tiles import NARROW
 
 _LN2 = np.float32(math.log(2.0))
@@ -159,3 +159,23 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
                         o[b, h, row, col + 1] = narrow(acc[mt, dt, 2 * half + 1])
 
     return init, scale_and_mask, update, rescale, normalize, store
+
+
+@functools.lru_cache(maxsize=None)
+def p_fragments(psteps, dtype):
+    """Device function ``pack_p(p_frag, s)``: a warp's P (``s`` after ``update``, one m16 tile of
+    ``2 · psteps`` n8 tiles) as the 16-bit A fragments of ``psteps`` k-steps, ``p_frag[kk, 0..3]``:
+    the accumulator tiles 2kk and 2kk + 1 make k-step kk's fragment."""
+    PSTEPS = psteps
+    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+
+    @cuda.jit(device=True, inline="always")
+    def pack_p(p_frag, s):
+        for kk in range(PSTEPS):
+            n = 2 * kk
+            p_frag[kk, 0] = pack(s[0, n, 0], s[0, n, 1])
+            p_frag[kk, 1] = pack(s[0, n, 2], s[0, n, 3])
+            p_frag[kk, 2] = pack(s[0, n + 1, 0], s[0, n + 1, 1])
+            p_frag[kk, 3] = pack(s[0, n + 1, 2], s[0, n + 1, 3])
+
+    return pack_p
