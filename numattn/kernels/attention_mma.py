@@ -103,12 +103,17 @@ _CANDIDATES = {
 }
 
 
+def mma_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
+    widest = max(head_dim, head_dim_v)
+    return _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+
+
 def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
     """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
     if simulator:
         return MmaConfig(block_n=16, num_warps=1)
-    widest = max(head_dim, head_dim_v)
-    for config in _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]:
+    for config in mma_configs(head_dim, head_dim_v):
         if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config
     return MmaConfig(block_n=16, num_warps=1)

@@ -69,19 +69,22 @@ class SimtConfig:
         return 4 * self.shared_words(head_dim, head_dim_v)
 
 
+def simt_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, largest tiles first."""
+    widest = max(head_dim, head_dim_v)
+    if widest <= 64:
+        return (SimtConfig(64, 64, 128, 8), SimtConfig(64, 32, 128, 8))
+    if widest <= 128:
+        return (SimtConfig(64, 32, 128, 8), SimtConfig(32, 32, 128, 8))
+    return (SimtConfig(32, 32, 128, 16), SimtConfig(32, 16, 128, 16))
+
+
 def choose_simt_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
     """Heuristic tile choice: the largest tiles that fit ``max_shared_bytes``."""
     if simulator:
         # Each simulated thread is a Python thread: few of them, small tiles.
         return SimtConfig(block_m=16, block_n=16, num_threads=8, threads_n=2)
-    widest = max(head_dim, head_dim_v)
-    if widest <= 64:
-        candidates = [SimtConfig(64, 64, 128, 8), SimtConfig(64, 32, 128, 8)]
-    elif widest <= 128:
-        candidates = [SimtConfig(64, 32, 128, 8), SimtConfig(32, 32, 128, 8)]
-    else:
-        candidates = [SimtConfig(32, 32, 128, 16), SimtConfig(32, 16, 128, 16)]
-    for config in candidates:
+    for config in simt_configs(head_dim, head_dim_v):
         if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config
     return SimtConfig(16, 16, 32, 4)

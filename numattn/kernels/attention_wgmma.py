@@ -110,9 +110,14 @@ _CANDIDATES = {
 }
 
 
+def wgmma_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
+    return _CANDIDATES[max(head_dim, head_dim_v)]
+
+
 def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
     """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
-    candidates = _CANDIDATES[max(head_dim, head_dim_v)]
+    candidates = wgmma_configs(head_dim, head_dim_v)
     for config in candidates:
         if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config

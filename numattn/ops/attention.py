@@ -23,9 +23,15 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
-from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_supported
-from ..kernels.attention_simt import SimtConfig, choose_simt_config, simt_attention_kernel
-from ..kernels.attention_wgmma import WgmmaConfig, choose_wgmma_config, wgmma_attention_kernel, wgmma_supported
+from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_configs, mma_supported
+from ..kernels.attention_simt import SimtConfig, choose_simt_config, simt_attention_kernel, simt_configs
+from ..kernels.attention_wgmma import (
+    WgmmaConfig,
+    choose_wgmma_config,
+    wgmma_attention_kernel,
+    wgmma_configs,
+    wgmma_supported,
+)
 from ..kernels.launch import array_fields, compiled, device_limits
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -284,14 +290,14 @@ class _TorchPlan(_DevicePlan):
 class _HostPlan:
     """Host arrays on a machine with a GPU: copy in, launch on the default device, copy out."""
 
-    def __init__(self, p):
+    def __init__(self, p, config=None):
         device = cuda.get_current_device().id
         contiguous = {
             name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
         self.device_problem = replace(p, device=device, out=None, **contiguous)
-        self.device_plan = _DevicePlan(self.device_problem)
+        self.device_plan = _DevicePlan(self.device_problem, config)
         self.problem = p
 
     def __call__(self, q, k, v, out):
@@ -313,8 +319,8 @@ class _HostPlan:
 class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
-    def __init__(self, p):
-        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0)
+    def __init__(self, p, config=None):
+        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0, config)
         self.kernel = compiled(dispatcher, None, 0, shared_bytes, label)
         self.problem = p
 
@@ -373,13 +379,42 @@ def _signature(x):
     return _UNCACHED  # other libraries: validated and planned on every call
 
 
-def _make_plan(problem):
+def _make_plan(problem, config=None):
     p = problem
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
-        return _SimulatorPlan(p) if SIMULATOR else _HostPlan(p)
+        return _SimulatorPlan(p, config) if SIMULATOR else _HostPlan(p, config)
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
-        return _TorchPlan(p)
-    return _DevicePlan(p)
+        return _TorchPlan(p, config)
+    return _DevicePlan(p, config)
+
+
+def tile_candidates(problem):
+    """Every tile configuration offered for ``problem`` on its device (in the simulator, the small
+    ones that simulate in seconds), each fitting the device's shared memory."""
+    p = problem
+    limits = device_limits(0 if p.device is None else p.device)
+    configs = []
+    for kind in _fitting_kernels(p, limits):
+        if SIMULATOR:
+            options = {WgmmaConfig: [], MmaConfig: [choose_mma_config(p.head_dim, p.head_dim_v, 0, True)],
+                       SimtConfig: [choose_simt_config(p.head_dim, p.head_dim_v, 0, True)]}[kind]
+        elif kind is WgmmaConfig:
+            options = wgmma_configs(p.head_dim, p.head_dim_v)
+        elif kind is MmaConfig:
+            options = mma_configs(p.head_dim, p.head_dim_v)
+        else:
+            options = simt_configs(p.head_dim, p.head_dim_v)
+        configs += [c for c in options if c.shared_bytes(p.head_dim, p.head_dim_v) <= limits["max_shared"]]
+    return configs
+
+
+def planned(q, k, v, *, scale, config=None):
+    """``(plan, problem)`` computing ``attention(q, k, v, scale=scale)`` (4-D "bhsd" operands, no
+    mask) with tile configuration ``config`` (the heuristic's when None); ``plan(q, k, v, None)``
+    runs it on arrays laid out like these."""
+    q, k, v = (from_dlpack(x) for x in (q, k, v))
+    problem = _validate(q, k, v, None, False, scale, "bhsd", False)
+    return _make_plan(problem, config), problem
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):

@@ -1,0 +1,196 @@
+"""Executable plans for a kernel graph: the candidates that the search verifies and times.
+
+A plan is plain data (``Plan``: a kind, the fused attention subgraph it covers, a
+tile configuration, how it hands the key tensor to the kernel) and ``Runner``
+executes it on the caller's arrays:
+
+* ``"unfused"``: every operation by its own kernel (``kernels/graph_ops.py``),
+  float32 intermediates;
+* ``"fused"``: each matched attention subgraph by one fused attention kernel
+  (``numattn.attention`` with the plan's tile configuration), the rest unfused.
+  The graph's key operand is ``(…, head_dim, seqlen_kv)``; the kernel reads
+  ``kᵀ`` either through strides (``k_layout="strided"``: the CUDA-core kernel) or
+  from a contiguous copy made by the caller's library (``"copy"``: the
+  tensor-core kernels need contiguous rows).
+"""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._arrays import describe, from_dlpack, host_storage, is_torch, storage_dtype, wrap_host
+from .._cuda import SIMULATOR, cuda
+from ..kernels import graph_ops
+from ..kernels.launch import compiled
+from ..ops.attention import planned
+from .match import attention_graph
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A candidate: ``kind`` "fused" or "unfused"; for "fused", the attention subgraphs it fuses, the
+    kernel's tile configuration and the key layout; ``overrides`` change the fused kernel's
+    parameters (scale, reduce_dim, subtracts_max), which only deliberately wrong candidates do."""
+
+    kind: str
+    matches: tuple = ()
+    config: object = None
+    k_layout: str = "copy"
+    overrides: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def describe(self):
+        if self.kind == "unfused":
+            return "unfused: one kernel per operation"
+        fixes = "".join(f" {k}={v}" for k, v in self.overrides.items())
+        return f"fused attention {self.config} k={self.k_layout}{fixes}"
+
+    def semantics(self, graph):
+        """The graph this plan computes (what the finite-field check compares with ``graph``)."""
+        for match in self.matches:
+            graph = attention_graph(graph, match, **self.overrides)
+        return graph
+
+
+def _pad4(shape):
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+class _CaiView:
+    """A device buffer seen through ``__cuda_array_interface__`` with another element type (numba
+    reads fp16/bf16 storage as uint16)."""
+
+    def __init__(self, ptr, shape, strides, itemsize, typestr):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "strides": tuple(s * itemsize for s in strides), "typestr": typestr,
+            "data": (ptr, False), "version": 3,
+        }
+
+
+class Runner:
+    """Runs a ``Plan`` of ``graph`` on arrays like the caller's (torch, numpy, numba, CAI)."""
+
+    def __init__(self, graph, plan):
+        self.graph, self.plan = graph, plan
+        self.fused = {m.out: m for m in plan.matches}
+        self.skipped = set().union(*(m.covered for m in plan.matches)) - set(self.fused)
+        self.dtype = graph.inputs[0].dtype.name
+        self._attention = {}
+
+    # -- storage ↔ float32 ---------------------------------------------------------------------
+    def _storage(self, x):
+        """A 4-D view of a caller array's storage that kernels index (numpy in the simulator)."""
+        op = describe(x, "input")
+        if op.device is None or SIMULATOR:
+            return host_storage(x, op).reshape(_pad4(op.shape)) if op.shape else host_storage(x, op)
+        typestr = "<u2" if op.dtype in ("float16", "bfloat16") else "<f4"
+        itemsize = storage_dtype(op.dtype).itemsize
+        strides = (0,) * (4 - len(op.shape)) + tuple(op.strides)
+        return cuda.as_cuda_array(_CaiView(op.ptr, _pad4(op.shape), strides, itemsize, typestr))
+
+    def _empty(self, shape, dtype):
+        shape = _pad4(shape)
+        if self.host:
+            return np.empty(shape, dtype=dtype)
+        return cuda.device_array(shape, dtype=dtype, stream=self.stream)
+
+    def _launch(self, kernel, n, *args):
+        if self.host:
+            compiled(kernel, None, 0, 0, "graph op").launch_arrays(graph_ops.grid(n), graph_ops.THREADS, *args)
+        else:
+            kernel[graph_ops.grid(n), graph_ops.THREADS, self.stream](*args)
+
+    def _wide(self, value):
+        """A value as a 4-D float32 array."""
+        kind, x = value
+        if kind == "wide":
+            return x
+        src = self._storage(x)
+        out = self._empty(src.shape, np.float32)
+        self._launch(graph_ops.widen_kernel(self.dtype), out.size, src, out)
+        return out
+
+    def _narrow(self, wide, dims, like):
+        """A float32 value as an array of the graph's dtype in the caller's library."""
+        out = self._empty(dims, storage_dtype(self.dtype))
+        self._launch(graph_ops.narrow_kernel(self.dtype), out.size, wide, out)
+        if self.host:
+            return wrap_host(out.reshape(dims), like, self.dtype)
+        if is_torch(like):
+            import torch
+
+            t = torch.as_tensor(out, device=like.device).reshape(dims)
+            return t.view(getattr(torch, self.dtype)) if self.dtype != "float32" else t
+        return out.reshape(dims)
+
+    def _caller(self, value, dims, like):
+        kind, x = value
+        return x if kind == "caller" else self._narrow(x, dims, like)
+
+    # -- execution ----------------------------------------------------------------------------
+    def __call__(self, inputs):
+        inputs = [from_dlpack(x) for x in inputs]
+        like = inputs[0]
+        first = describe(like, "input")
+        self.host = first.device is None or SIMULATOR
+        self.stream = 0
+        if not self.host and is_torch(like):
+            import torch
+
+            self.stream = cuda.external_stream(torch.cuda.current_stream(like.device).cuda_stream)
+        values = {}
+        for node in self.graph.nodes:
+            if node.index in self.skipped:
+                continue
+            if node.op == "input":
+                values[node.index] = ("caller", inputs[node.attrs["position"]])
+            elif node.index in self.fused:
+                values[node.index] = ("caller", self._attention_call(self.fused[node.index], values, like))
+            else:
+                values[node.index] = ("wide", self._op(node, values))
+        return [self._caller(values[t.node.index], t.dims, like) for t in self.graph.results()]
+
+    def _op(self, node, values):
+        args = [self._wide(values[i.node.index]) for i in node.inputs]
+        out = self._empty(node.output.dims, np.float32)
+        op = node.op
+        if op in graph_ops._UNARY:
+            self._launch(graph_ops.unary_kernel(op), out.size, args[0], out, np.float32(node.attrs.get("scalar", 0.0)))
+        elif op in graph_ops._BINARY:
+            self._launch(graph_ops.binary_kernel(op), out.size, args[0], args[1], out)
+        elif op == "matmul":
+            self._launch(graph_ops.matmul_kernel, out.size, args[0], args[1], out)
+        else:
+            dim = 3 if op == "rms_norm" else node.attrs["dim"] + 4 - node.output.num_dims
+            self._launch(graph_ops.reduce_kernel(op, dim), out.size, args[0], out,
+                         np.float32(node.attrs.get("eps", 0.0)))
+        return out
+
+    def _attention_call(self, match, values, like):
+        graph = self.graph
+        dims = {i: graph.nodes[i].output.dims for i in (match.q, match.k, match.v)}
+        q, k, v = (self._caller(values[i], dims[i], like) for i in (match.q, match.k, match.v))
+        q4, k4, v4 = (_as_bhsd(x, dims[i]) for x, i in ((q, match.q), (k, match.k), (v, match.v)))
+        k4 = _swap_last(k4)  # (…, head_dim, seqlen_kv) → (…, seqlen_kv, head_dim)
+        if self.plan.k_layout == "copy":
+            k4 = k4.contiguous() if is_torch(k4) else np.ascontiguousarray(k4)
+        scale = self.plan.overrides.get("scale", match.scale)
+        key = (match.out, describe(q4, "q").strides, describe(k4, "k").strides, describe(v4, "v").strides)
+        plan = self._attention.get(key)
+        if plan is None:
+            plan, _ = planned(q4, k4, v4, scale=scale, config=self.plan.config)
+            self._attention[key] = plan
+        o = plan(q4, k4, v4, None)
+        return o.reshape(graph.nodes[match.out].output.dims)
+
+
+def _as_bhsd(x, dims):
+    """A 4-D (batch, heads, seq, dim) view of a tensor with 0 to 2 batch dims (one head when fewer)."""
+    if len(dims) == 2:
+        return x[None, None]
+    if len(dims) == 3:
+        return x.unsqueeze(1) if is_torch(x) else x[:, None]
+    return x
+
+
+def _swap_last(x):
+    return x.transpose(-1, -2) if is_torch(x) else np.swapaxes(x, -1, -2)

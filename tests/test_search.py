@@ -1,0 +1,178 @@
+"""The kernel graph and its superoptimizer: graph API, matching, verification, search, cache."""
+
+import json
+
+import numpy as np
+import pytest
+
+import numattn as mi
+from numattn.search.interpret import evaluate
+from numattn.search.match import find_attention
+from numattn.search.pipeline import random_inputs
+from numattn.search.plans import Plan, Runner
+from numattn.search.verify import fingerprint_check, numeric_check, to_float64
+
+
+def tutorial_graph(batch=2, seqlen_q=16, head_dim=16, seqlen_kv=32, scale=None, subtract_max=False):
+    """Mirage's attention tutorial (K given as (head_dim, seqlen_kv)), optionally scaled and max-subtracted."""
+    g = mi.new_kernel_graph()
+    Q = g.new_input(dims=(batch, seqlen_q, head_dim), dtype=mi.float16)
+    K = g.new_input(dims=(batch, head_dim, seqlen_kv), dtype=mi.float16)
+    V = g.new_input(dims=(batch, seqlen_kv, head_dim), dtype=mi.float16)
+    A = g.matmul(Q, K)
+    if scale is not None:
+        A = g.mul_scalar(A, scale)
+    if subtract_max:
+        A = g.sub(A, g.reduction_max(A, 2))
+    E = g.exp(A)
+    S = g.reduction(E, 2)
+    D = g.div(E, S)
+    O = g.matmul(D, V)
+    g.mark_output(O)
+    return g
+
+
+def reference_attention(q, k, v, scale=1.0):
+    s = scale * np.asarray(q, np.float64) @ np.asarray(k, np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ np.asarray(v, np.float64)
+
+
+# -- graph API ------------------------------------------------------------------------------------
+def test_graph_shapes_broadcast_and_errors_name_the_op():
+    g = mi.new_kernel_graph()
+    x = g.new_input((2, 8, 16), mi.float32)
+    w = g.new_input((16, 4), mi.float32)
+    assert g.matmul(x, w).dims == (2, 8, 4)
+    assert g.add(x, g.new_input((8, 1), mi.float32)).dims == (2, 8, 16)
+    assert g.reduction(x, 2).dims == (2, 8, 1) and g.reduction_max(x, -1).dims == (2, 8, 1)
+    with pytest.raises(ValueError, match="matmul: inner dims differ"):
+        g.matmul(x, g.new_input((8, 4), mi.float32))
+    with pytest.raises(ValueError, match="add: shapes .* do not broadcast"):
+        g.add(x, g.new_input((3, 16), mi.float32))
+    with pytest.raises(ValueError, match="reduction: dim must be an int"):
+        g.reduction(x, 3)
+    with pytest.raises(TypeError, match="div: operands must share one dtype"):
+        g.div(x, g.new_input((16,), mi.float16))
+    with pytest.raises(TypeError, match="new_input: dtype"):
+        g.new_input((4,), "float16")
+    with pytest.raises(ValueError, match="new_input: dims"):
+        g.new_input((0, 4))
+    with pytest.raises(ValueError, match="exp: argument 0 belongs to another graph"):
+        mi.new_kernel_graph().exp(x)
+    with pytest.raises(TypeError, match="mul_scalar: scalar"):
+        g.mul_scalar(x, float("nan"))
+
+
+def test_results_default_to_sinks_and_canonical_form_ignores_identity():
+    a, b = tutorial_graph(), tutorial_graph()
+    assert a.digest() == b.digest()
+    g = mi.new_kernel_graph()
+    x = g.new_input((4, 4), mi.float32)
+    s = g.square(x)
+    g.exp(s)
+    assert [t.node.op for t in g.results()] == ["exp"]
+    assert tutorial_graph(scale=0.5).digest() != a.digest()
+
+
+# -- matching and verification ----------------------------------------------------------------------
+def test_matcher_finds_attention_with_scale_and_max_subtraction():
+    (m,) = find_attention(tutorial_graph(scale=0.25, subtract_max=True))
+    assert m.scale == 0.25 and m.subtracts_max
+    g = tutorial_graph()
+    g.mark_output(g.nodes[4].output)  # the normaliser S is an output too: no longer fusable
+    assert find_attention(g) == []
+
+
+def test_fingerprint_accepts_equal_graphs_and_rejects_wrong_candidates(rng):
+    g = tutorial_graph(scale=0.125)
+    (m,) = find_attention(g)
+    same = Plan("fused", (m,), None, "copy")
+    assert fingerprint_check(g, same.semantics(g), rng) is None
+    # the max-subtracted softmax is the same function: the field's stand-in for max cancels
+    with_max = Plan("fused", (m,), None, "copy", {"subtracts_max": True})
+    assert fingerprint_check(g, with_max.semantics(g), rng) is None
+    for wrong in ({"scale": 1.0}, {"reduce_dim": 1}):
+        reason = fingerprint_check(g, Plan("fused", (m,), None, "copy", wrong).semantics(g), rng)
+        assert reason is not None and "differs" in reason
+
+
+def test_numeric_check_rejects_a_wrong_kernel_and_accepts_the_right_one(rng):
+    g = tutorial_graph(scale=0.125)
+    (m,) = find_attention(g)
+    draw = lambda: random_inputs(g, rng, None)  # noqa: E731
+    good, _ = numeric_check(g, Runner(g, Plan("fused", (m,), None, "strided")), draw)
+    assert good is None
+    bad, error = numeric_check(g, Runner(g, Plan("fused", (m,), None, "strided", {"scale": 1.0})), draw)
+    assert bad is not None and "relative error" in bad and error > 0.02
+
+
+def test_unfused_plan_runs_any_graph(rng):
+    g = mi.new_kernel_graph()
+    x = g.new_input((3, 5, 8), mi.float32)
+    w = g.new_input((8, 8), mi.float32)
+    h = g.rms_norm(g.matmul(x, w))
+    y = g.add(g.mul(g.silu(h), g.sqrt(g.square(h))), g.mul_scalar(g.reduction_max(h, 1), 0.5))
+    g.mark_output(y)
+    g.mark_output(g.div(g.exp(h), g.reduction(g.exp(h), 2)))
+    arrays, exact = random_inputs(g, rng, None)
+    outputs = Runner(g, Plan("unfused"))(arrays)
+    for out, ref in zip(outputs, evaluate(g, exact)):
+        np.testing.assert_allclose(to_float64(out), ref, rtol=1e-4, atol=1e-5)
+
+
+# -- search, calls, cache ------------------------------------------------------------------------------
+def test_tutorial_superoptimize_runs_and_caches(tmp_path, monkeypatch, rng, capsys):
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    g = tutorial_graph()
+    opt = g.superoptimize(config="attention")
+    opt.explain()
+    table = capsys.readouterr().out
+    assert "unfused" in table and "winner: fused attention" in table
+    assert all(row["verified"] for row in opt.table)
+    q, k, v = (rng.uniform(-1, 1, t.dims).astype(np.float16) for t in g.inputs)
+    (o,) = opt(inputs=[q, k, v])
+    np.testing.assert_allclose(o.astype(np.float64), reference_attention(q, k, v), atol=2e-3)
+    # other shapes consistent with the graph: re-specialised; inconsistent ones: a clear error
+    q2 = rng.uniform(-1, 1, (2, 5, 16)).astype(np.float16)
+    (o2,) = opt(q2, k, v)
+    np.testing.assert_allclose(o2.astype(np.float64), reference_attention(q2, k, v), atol=2e-3)
+    with pytest.raises(ValueError, match="inconsistent with the graph"):
+        opt(q, k[:, :8], v)
+    with pytest.raises(TypeError, match="input 1 must have dtype float16"):
+        opt(q, k.astype(np.float32), v)
+    with pytest.raises(ValueError, match="3 inputs, got 2"):
+        opt(q, k)
+    # from the cache: the same winner, no search
+    cached = tutorial_graph().superoptimize(config="attention")
+    assert cached.plan == opt.plan and cached.table == opt.table
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path):
+    path = tmp_path / "checkpoint.json"
+    path.write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring unreadable"):
+        tutorial_graph(seqlen_q=8).superoptimize(previous_checkpoint=path)
+    assert len(json.loads(path.read_text())) == 1
+
+
+def test_superoptimize_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="config must be one of"):
+        tutorial_graph().superoptimize(config="mlp")
+    with pytest.raises(ValueError, match="computes nothing"):
+        g = mi.new_kernel_graph()
+        g.new_input((2, 2))
+        g.superoptimize()
+
+
+@pytest.mark.gpu
+def test_tutorial_on_gpu_with_torch(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    g = tutorial_graph(batch=2, seqlen_q=256, head_dim=64, seqlen_kv=4096)
+    opt = g.superoptimize(config="attention", profile_iters=50)
+    q, k, v = (torch.rand(t.dims, device="cuda", dtype=torch.float16) * 2 - 1 for t in g.inputs)
+    (o,) = opt(inputs=[q, k, v])
+    ref = reference_attention(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy())
+    assert np.abs(o.double().cpu().numpy() - ref).max() < 2e-3
