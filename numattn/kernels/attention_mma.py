@@ -31,8 +31,9 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .online_softmax import softmax_steps
+from .online_softmax import partial_store, softmax_steps
 from .ptx import (
+    cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
     ldmatrix_x4,
@@ -82,11 +83,12 @@ class MmaConfig:
     def num_threads(self):
         return 32 * self.num_warps
 
-    def shared_bytes(self, head_dim, head_dim_v):
-        """Q tile plus ``stages`` K and V tiles, 16-bit elements, padded rows."""
+    def shared_bytes(self, head_dim, head_dim_v, k_transposed=False):
+        """Q tile plus ``stages`` K and V tiles, 16-bit elements, padded rows (K as ``head_dim`` rows of
+        keys when ``k_transposed``)."""
         q = self.block_m * (head_dim + PAD)
-        kv = self.stages * self.block_n * (head_dim + PAD + head_dim_v + PAD)
-        return 2 * (q + kv)
+        k = head_dim * (self.block_n + PAD) if k_transposed else self.block_n * (head_dim + PAD)
+        return 2 * (q + self.stages * (k + self.block_n * (head_dim_v + PAD)))
 
 
 def mma_supported(dtype, head_dim, head_dim_v):
@@ -120,12 +122,18 @@ def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse):
+def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, split=False, k_transposed=False):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
+
+    With ``split`` the grid is ``(cdiv(Sq, block_m) · B · Hq, S)``: block
+    ``(x, s)`` visits the ``s``-th of S equal runs of key tiles, and ``o``,
+    ``lse`` are the float32 partials ``o_part [B, Hq, Sq, S, Dv]`` (normalized
+    within the split) and ``lse_part [B, Hq, Sq, S]`` (log2 domain) that
+    ``decode.combine_kernel`` merges.
     """
     BLOCK_M, BLOCK_N, NUM_THREADS = config.block_m, config.block_n, config.num_threads
     WARP_M, Q_IN_REGISTERS = config.warp_m, config.q_in_registers
@@ -136,17 +144,21 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     DTILES = DV // 8  # n8 accumulator tiles of O
     Q_FRAGS = KSTEPS if Q_IN_REGISTERS else 1
     LANE_ROWS = 2 * WARP_M  # query rows each lane carries
-    Q_ROW, K_ROW, V_ROW = D + PAD, D + PAD, DV + PAD
+    K_T = k_transposed
+    Q_ROW, V_ROW = D + PAD, DV + PAD
+    K_ROWS, K_ROW = (D, BLOCK_N + PAD) if K_T else (BLOCK_N, D + PAD)  # a K tile's shared-memory shape
     K_OFF = BLOCK_M * Q_ROW
-    K_STAGE = BLOCK_N * K_ROW
+    K_STAGE = K_ROWS * K_ROW
+    K_CHUNKS = BLOCK_N // 8  # 16-byte chunks of keys per head-dim row of a transposed K tile
     STAGES = config.stages
     IN_FLIGHT = STAGES - 1  # key tiles being copied while one is computed on
     V_OFF = K_OFF + STAGES * K_STAGE
     V_STAGE = BLOCK_N * V_ROW
-    CAUSAL, WRITE_LSE = causal, write_lse
+    CAUSAL, WRITE_LSE, SPLIT = causal, write_lse, split
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
+    store_partial = partial_store(WARP_M, DTILES)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
 
@@ -154,6 +166,18 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
         """Issue 16-byte copies of ``src[b, h, row0 + r, :ncols]`` into ``dst[r, :ncols]``; rows past ``nrows`` read 0."""
         copy_tile(dst, 0, dst.shape[0], src, b, h, row0, nrows, ncols)
+
+    @cuda.jit(device=True)
+    def load_k_tile_async(dst, k, b, h, n0, nkeys):
+        """The K tile of keys ``n0 ..``: rows of ``k`` or, transposed, runs of 8 keys per head-dim row;
+        keys from ``nkeys`` on read 0."""
+        if K_T:
+            for i in range(cuda.threadIdx.x, D * K_CHUNKS, NUM_THREADS):
+                d, c = i // K_CHUNKS, (i % K_CHUNKS) * 8
+                keys = min(max(nkeys - n0 - c, 0), 8)
+                cp_async_16(dst, d, c, k, (b, h, d, n0 + c if keys > 0 else 0), 2 * keys)
+        else:
+            copy_tile(dst, 0, dst.shape[0], k, b, h, n0, nkeys, D)
 
     @cuda.jit(device=True, inline="always")
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
@@ -173,10 +197,15 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
     def kernel(q, k, v, o, lse, scale_log2):
         smem = cuda.shared.array(0, uint16)
         q_s = tile_view(smem, 0, BLOCK_M, Q_ROW)
-        seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
+        seqlen_q, seqlen_kv = q.shape[2], v.shape[2]  # v: k may be given transposed
         diagonal = seqlen_kv - seqlen_q
-        b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
+        b, h, h_kv, m0, n_end = query_block(q, v, BLOCK_M, CAUSAL)
         n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+        first = 0  # the first key of this block's run of tiles
+        if SPLIT:
+            per_split = -(-((seqlen_kv + BLOCK_N - 1) // BLOCK_N) // cuda.gridDim.y)
+            first = cuda.blockIdx.y * per_split * BLOCK_N
+            n_blocks = max(0, min(n_blocks - cuda.blockIdx.y * per_split, per_split))
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
@@ -188,10 +217,10 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
         cp_async_commit()
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < n_blocks:
-                load_tile_async(tile_view(smem, K_OFF + j * K_STAGE, BLOCK_N, K_ROW),
-                                k, b, h_kv, j * BLOCK_N, seqlen_kv, D)
+                load_k_tile_async(tile_view(smem, K_OFF + j * K_STAGE, K_ROWS, K_ROW),
+                                  k, b, h_kv, first + j * BLOCK_N, seqlen_kv)
                 load_tile_async(tile_view(smem, V_OFF + j * V_STAGE, BLOCK_N, V_ROW),
-                                v, b, h_kv, j * BLOCK_N, seqlen_kv, DV)
+                                v, b, h_kv, first + j * BLOCK_N, seqlen_kv, DV)
             cp_async_commit()
         cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
@@ -213,15 +242,15 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
 
         for j in range(n_blocks):
             stage = j % STAGES
-            k_s = tile_view(smem, K_OFF + stage * K_STAGE, BLOCK_N, K_ROW)
+            k_s = tile_view(smem, K_OFF + stage * K_STAGE, K_ROWS, K_ROW)
             v_s = tile_view(smem, V_OFF + stage * V_STAGE, BLOCK_N, V_ROW)
             ahead = j + IN_FLIGHT  # prefetch into the stage that tile j - 1 used
             if ahead < n_blocks:
                 free = ahead % STAGES
-                load_tile_async(tile_view(smem, K_OFF + free * K_STAGE, BLOCK_N, K_ROW),
-                                k, b, h_kv, ahead * BLOCK_N, seqlen_kv, D)
+                load_k_tile_async(tile_view(smem, K_OFF + free * K_STAGE, K_ROWS, K_ROW),
+                                  k, b, h_kv, first + ahead * BLOCK_N, seqlen_kv)
                 load_tile_async(tile_view(smem, V_OFF + free * V_STAGE, BLOCK_N, V_ROW),
-                                v, b, h_kv, ahead * BLOCK_N, seqlen_kv, DV)
+                                v, b, h_kv, first + ahead * BLOCK_N, seqlen_kv, DV)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile j has landed (later tiles may be in flight)
             cuda.syncthreads()
@@ -236,13 +265,16 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                 if not Q_IN_REGISTERS:
                     load_q_fragments(q_frag, q_s, ks, 0, warp_row0, mat, mrow)
                 for np2 in range(NTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(k_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                    if K_T:  # k_s[d, n]: B fragments read transposed, like V's
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(k_s, 16 * ks + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                    else:
+                        b0, b1, b2, b3 = ldmatrix_x4(k_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3]
                         mma_into(s, mt, 2 * np2, a0, a1, a2, a3, b0, b1)
                         mma_into(s, mt, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
-            n0 = j * BLOCK_N
+            n0 = first + j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
             scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t)
             if update(s, m_i, l_i, row_max, alpha):
@@ -264,7 +296,10 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse)
                         mma_into(acc, mt, 2 * dp + 1, a0, a1, a2, a3, b2, b3)
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
-        normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
-        store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
+        if SPLIT:
+            store_partial(o, lse, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
+        else:
+            normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
+            store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
 
     return cuda.jit(kernel)

@@ -162,6 +162,34 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
 
 
 @functools.lru_cache(maxsize=None)
+def partial_store(warp_m, dtiles):
+    """Device function ``store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t)``:
+    a split's result for rows below ``seqlen_q``: ``acc / l`` into ``o_part[b, h, row, split]`` (float32)
+    and the log2-domain ``m + log2(l)`` into ``lse_part[b, h, row, split]`` (-inf where the split saw no key)."""
+    WARP_M, DTILES = warp_m, dtiles
+
+    @cuda.jit(device=True, inline="always")
+    def store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t):
+        for mt in range(WARP_M):
+            for half in range(2):
+                r = 2 * mt + half
+                l_sum = l_i[r]
+                l_sum += shfl_xor_f32(l_sum, 1)
+                l_sum += shfl_xor_f32(l_sum, 2)
+                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                row = row0 + 16 * mt + g + 8 * half
+                if row < seqlen_q:
+                    for dt in range(DTILES):
+                        col = 8 * dt + 2 * t
+                        o_part[b, h, row, split, col] = acc[mt, dt, 2 * half] * inv_l
+                        o_part[b, h, row, split, col + 1] = acc[mt, dt, 2 * half + 1] * inv_l
+                    if t == 0:
+                        lse_part[b, h, row, split] = m_i[r] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+
+    return store_partial
+
+
+@functools.lru_cache(maxsize=None)
 def p_fragments(psteps, dtype):
     """Device function ``pack_p(p_frag, s)``: a warp's P (``s`` after ``update``, one m16 tile of
     ``2 · psteps`` n8 tiles) as the 16-bit A fragments of ``psteps`` k-steps, ``p_frag[kk, 0..3]``:

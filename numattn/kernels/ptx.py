@@ -580,13 +580,14 @@ def cp_async_16(dst, row, col, src, index, nbytes):
 
     ``dst`` is a 2-D shared array, ``src`` a global array whose last axis is
     contiguous, both 16-byte aligned at these elements; ``index`` a tuple of
-    ``src.ndim`` ints. With ``nbytes`` 0 nothing is read and the 16 bytes are
-    zero-filled (``nbytes`` is 0 or 16). Emits ``cp.async.cg.shared.global``;
-    the copy completes at ``cp_async_wait_group``. The twin copies at once.
+    ``src.ndim`` ints. Only the first ``nbytes`` bytes (0 to 16, whole
+    elements) are read, the rest of the 16 are zero-filled. Emits
+    ``cp.async.cg.shared.global`` with ``nbytes`` as its source size; the copy
+    completes at ``cp_async_wait_group``. The twin copies at once.
     """
     count = 16 // dst.itemsize
     for i in range(count):
-        dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if nbytes else 0
+        dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if i * dst.itemsize < nbytes else 0
 
 
 @intrinsic

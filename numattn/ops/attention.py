@@ -32,6 +32,8 @@ from ..kernels.attention_wgmma import (
     wgmma_configs,
     wgmma_supported,
 )
+from ..kernels.decode import MAX_SPLITS, combine_kernel
+from ..kernels.decode import NUM_THREADS as COMBINE_THREADS
 from ..kernels.launch import array_fields, compiled, device_limits
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -78,14 +80,24 @@ class Problem:
         """Reorder shape or strides given in the caller's layout to (batch, heads, seqlen, head_dim)."""
         return tuple(values[a] for a in _LAYOUT_AXES[self.layout])
 
+    def _copies_16_bytes(self, op, axis):
+        """Whether ``op`` is contiguous along (bhsd) ``axis`` with every other stride and its start 16-byte aligned."""
+        per_copy = 16 // storage_dtype(self.dtype).itemsize
+        strides = self.bhsd(op.strides)
+        return strides[axis] == 1 and all(s % per_copy == 0 for i, s in enumerate(strides) if i != axis) and (
+            op.ptr % 16 == 0)
+
     @property
     def vector_loads(self):
         """Whether q, k and v rows can be copied 16 bytes at a time: contiguous head dim, aligned rows."""
-        per_copy = 16 // storage_dtype(self.dtype).itemsize
-        return all(
-            op.strides[-1] == 1 and all(s % per_copy == 0 for s in op.strides[:-1]) and op.ptr % 16 == 0
-            for op in (self.q, self.k, self.v)
-        )
+        return all(self._copies_16_bytes(op, 3) for op in (self.q, self.k, self.v))
+
+    @property
+    def transposed_k_loads(self):
+        """Whether the mma.sync kernel can copy K by runs of keys (K contiguous along the sequence, as a
+        transposed view of a ``(…, head_dim, seqlen_kv)`` tensor) and q, v by rows."""
+        return (not self.vector_loads and self._copies_16_bytes(self.k, 2)
+                and all(self._copies_16_bytes(op, 3) for op in (self.q, self.v)))
 
     @property
     def aligned_out(self):
@@ -173,7 +185,10 @@ _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, 
 
 def _fitting_kernels(p, limits):
     """The tile-configuration classes whose kernels can compute problem ``p`` on this device."""
-    if not (mma_supported(p.dtype, p.head_dim, p.head_dim_v) and p.vector_loads and limits["cc"] >= (8, 0)):
+    tensor_cores = mma_supported(p.dtype, p.head_dim, p.head_dim_v) and limits["cc"] >= (8, 0)
+    if tensor_cores and p.transposed_k_loads:
+        return (MmaConfig, SimtConfig)
+    if not (tensor_cores and p.vector_loads):
         return (SimtConfig,)
     if wgmma_supported(p.dtype, p.head_dim, p.head_dim_v, limits["cc"]):
         return (WgmmaConfig, MmaConfig)
@@ -187,62 +202,125 @@ def _default_config(p, limits):
     if kinds[0] is WgmmaConfig and not SIMULATOR:
         return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"])
     if MmaConfig in kinds:
-        return choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        if _shared_bytes(p, config) <= limits["max_shared"]:
+            return config
+        return MmaConfig(block_n=16, num_warps=1)  # transposed K tiles of wide heads: the smallest tiles
     return choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
 
 
-def _attention_kernel(p, device, config=None):
+def _attention_kernel(p, device, config=None, splits=1):
     """``(dispatcher, grid, threads, shared_bytes, label)`` of the kernel that computes problem ``p``.
 
     The wgmma kernel on sm_90 where it applies (fp16/bf16, head dims multiples
     of 64), the mma.sync kernel on other tensor-core GPUs or head dims multiples
     of 16, the SIMT kernel otherwise (fp32, other head dims, rows unfit for
     16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
-    ``MmaConfig`` or ``SimtConfig``) or the heuristic's.
+    ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (the
+    ``mma.sync`` kernel) divides the keys into runs whose partial results
+    ``combine_kernel`` merges; the grid is then ``(blocks, splits)``.
     """
     limits = device_limits(device)
     args = (p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
     config = config or _default_config(p, limits)
     if type(config) not in _fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
+    if splits > 1 and type(config) is not MmaConfig:
+        raise ValueError(f"key splits need the mma.sync kernel (an MmaConfig), got {config}")
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     if type(config) is WgmmaConfig:
         args += (p.aligned_out,)
+    if splits > 1:
+        args = args[:-1] + (False, True)  # no LSE of its own (the combine writes it), split partials
+    if type(config) is MmaConfig and p.transposed_k_loads:
+        args = args[:5] + (splits > 1, True)
     dispatcher = _KERNELS[type(config)](config, *args)
     grid = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
     if grid > _MAX_GRID:
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
-    label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse}"
-    return dispatcher, grid, config.num_threads, config.shared_bytes(p.head_dim, p.head_dim_v), label
+    label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
+    grid = (grid, splits) if splits > 1 else grid
+    return dispatcher, grid, config.num_threads, _shared_bytes(p, config), label
+
+
+def _swap_last(values):
+    return (*values[:-2], values[-1], values[-2])
+
+
+def _shared_bytes(p, config):
+    if type(config) is MmaConfig:
+        return config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
+    return config.shared_bytes(p.head_dim, p.head_dim_v)
+
+
+COMBINE_ROWS = 32  # query rows per block of the split combine
+
+
+def _combine(p):
+    """``(dispatcher, grid)`` of the kernel merging the key splits of problem ``p``."""
+    group = p.heads_q // p.heads_kv
+    grid = (p.heads_kv * -(-(group * p.seqlen_q) // COMBINE_ROWS), p.batch)
+    return combine_kernel(p.dtype, p.head_dim_v, group, p.seqlen_q, COMBINE_ROWS, p.return_lse), grid
+
+
+def _part_shapes(p, splits):
+    return (p.batch, p.heads_q, p.seqlen_q, splits, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, splits)
 
 
 class _DevicePlan:
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
-    def __init__(self, p, config=None):
-        dispatcher, grid, threads, shared_bytes, label = _attention_kernel(p, p.device, config)
+    def __init__(self, p, config=None, splits=1):
+        dispatcher, grid, threads, shared_bytes, label = _attention_kernel(p, p.device, config, splits)
         storage = numba.from_dtype(storage_dtype(p.dtype))
-        argtypes = (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
+        f32 = types.float32
+        self.problem, self.splits = p, splits
+        self.part_shapes = _part_shapes(p, splits)
+        outputs = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A")) if splits > 1 else (
+            types.Array(storage, 4, "A"), types.Array(f32, 3, "A"))
+        argtypes = (types.Array(storage, 4, "A"),) * 3 + outputs + (f32,)
         kernel = compiled(dispatcher, argtypes, p.device, shared_bytes, label)
-        self.problem = p
 
         itemsize = storage_dtype(p.dtype).itemsize
         out_strides = p.out.strides if p.out is not None else contiguous_strides(p.out_shape)
-        arrays = [
+        out_array = (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize)
+        lse_array = (p.lse_shape, contiguous_strides(p.lse_shape), 4)
+        k_shape, k_strides = p.bhsd(p.k.shape), p.bhsd(p.k.strides)
+        if type(config or _default_config(p, device_limits(p.device))) is MmaConfig and p.transposed_k_loads:
+            k_shape, k_strides = _swap_last(k_shape), _swap_last(k_strides)  # the kernel takes (B, H, D, S)
+        inputs = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
-            (p.bhsd(p.k.shape), p.bhsd(p.k.strides), itemsize),
+            (k_shape, k_strides, itemsize),
             (p.bhsd(p.v.shape), p.bhsd(p.v.strides), itemsize),
-            (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize),
-            (p.lse_shape, contiguous_strides(p.lse_shape), 4),
         ]
-        fields, slots = array_fields(arrays)
+        parts = [(shape, contiguous_strides(shape), 4) for shape in self.part_shapes]
+        fields, slots = array_fields(inputs + (parts if splits > 1 else [out_array, lse_array]))
         fields.append(np.float32(p.scale * LOG2E))
-        self.launch = kernel.prepare(grid, threads, fields, slots)  # (stream, q, k, v, o, lse)
+        self.launch_attention = kernel.prepare(grid, threads, fields, slots)  # (stream, q, k, v, o, lse)
+        self.launch_combine = None
+        if splits > 1:
+            combine, combine_grid = _combine(p)
+            argtypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
+                        types.Array(f32, 3, "A"))
+            merge = compiled(combine, argtypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
+            fields, slots = array_fields(parts + [out_array, lse_array])
+            self.launch_combine = merge.prepare(combine_grid, COMBINE_THREADS, fields, slots)
+
+    def launch(self, stream, q, k, v, out, lse, part=0, part_lse=0):
+        """Launch on raw pointers (``part``, ``part_lse``: float32 workspaces of ``part_shapes`` when split)."""
+        if self.launch_combine is None:
+            self.launch_attention(stream, q, k, v, out, lse)
+        else:
+            self.launch_attention(stream, q, k, v, part, part_lse)
+            self.launch_combine(stream, part, part_lse, out, lse)
 
     def __call__(self, q, k, v, out):
         p = self.problem
         if out is None:
             out = empty_device_like(q, p.out_shape, p.dtype, p.device)
         lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
+        parts = [empty_device_like(q, shape, "float32", p.device) for shape in self.part_shapes] if self.splits > 1 else []
         self.launch(
             cai_stream(q),
             device_pointer(q),
@@ -250,6 +328,7 @@ class _DevicePlan:
             device_pointer(v),
             device_pointer(out),
             device_pointer(lse) if lse is not None else 0,
+            *(device_pointer(x) for x in parts),
         )
         return (out, lse) if p.return_lse else out
 
@@ -257,8 +336,8 @@ class _DevicePlan:
 class _TorchPlan(_DevicePlan):
     """The same launch for torch CUDA tensors, on torch's current stream, with no host synchronisation."""
 
-    def __init__(self, p, config=None):
-        super().__init__(p, config)
+    def __init__(self, p, config=None, splits=1):
+        super().__init__(p, config, splits)
         import torch
 
         self._torch = torch
@@ -269,35 +348,46 @@ class _TorchPlan(_DevicePlan):
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
         self._out_template = one.expand(p.out_shape)
         self._lse_template = one.float().expand(p.lse_shape)
+        # one float32 workspace per call for both split partials: o_part, then lse_part
+        self._part_elems = int(np.prod(self.part_shapes[0]))
+        workspace = self._part_elems + int(np.prod(self.part_shapes[1]))
+        self._workspace_template = one.float().expand(workspace) if splits > 1 else None
 
     def __call__(self, q, k, v, out):
         p = self.problem
         if self._get_device() != p.device:
             with self._torch.cuda.device(p.device):
                 return self(q, k, v, out)
-        empty_like = self._torch.empty_like
         if out is None:
-            out = empty_like(self._out_template)
-        if p.return_lse:
-            lse = empty_like(self._lse_template)
-            self.launch(self._stream(p.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                        lse.data_ptr())
-            return out, lse
-        self.launch(self._stream(p.device), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0)
-        return out
+            out = self._torch.empty_like(self._out_template)
+        lse = self._torch.empty_like(self._lse_template) if p.return_lse else None
+        self.launch_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+        return (out, lse) if p.return_lse else out
+
+    def launch_pointers(self, q, k, v, out, lse):
+        """Launch on data pointers of tensors laid out as planned, on torch's current stream (of the
+        plan's device, which must be current); allocates the split workspace."""
+        stream = self._stream(self.problem.device)
+        if self._workspace_template is None:
+            self.launch(stream, q, k, v, out, lse)
+            return
+        workspace = self._torch.empty_like(self._workspace_template)
+        part = workspace.data_ptr()
+        self.launch(stream, q, k, v, out, lse, part, part + 4 * self._part_elems)
+        # the workspace returns to torch's caching allocator now; the stream orders its reuse after these kernels
 
 
 class _HostPlan:
     """Host arrays on a machine with a GPU: copy in, launch on the default device, copy out."""
 
-    def __init__(self, p, config=None):
+    def __init__(self, p, config=None, splits=1):
         device = cuda.get_current_device().id
         contiguous = {
             name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
         self.device_problem = replace(p, device=device, out=None, **contiguous)
-        self.device_plan = _DevicePlan(self.device_problem, config)
+        self.device_plan = _DevicePlan(self.device_problem, config, splits)
         self.problem = p
 
     def __call__(self, q, k, v, out):
@@ -308,9 +398,11 @@ class _HostPlan:
         ]
         o = cuda.device_array(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = cuda.device_array(p.lse_shape, dtype=np.float32) if p.return_lse else None
-        self.device_plan.launch(
+        plan = self.device_plan
+        parts = [cuda.device_array(shape, dtype=np.float32) for shape in plan.part_shapes] if plan.splits > 1 else []
+        plan.launch(
             0, *(a.device_ctypes_pointer.value for a in stored), o.device_ctypes_pointer.value,
-            0 if lse is None else lse.device_ctypes_pointer.value,
+            0 if lse is None else lse.device_ctypes_pointer.value, *(a.device_ctypes_pointer.value for a in parts),
         )
         result = _deliver(o.copy_to_host(), q, out, p)
         return (result, wrap_host(lse.copy_to_host(), q, "float32")) if p.return_lse else result
@@ -319,20 +411,30 @@ class _HostPlan:
 class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
-    def __init__(self, p, config=None):
-        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0, config)
+    def __init__(self, p, config=None, splits=1):
+        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0, config, splits)
         self.kernel = compiled(dispatcher, None, 0, shared_bytes, label)
-        self.problem = p
+        self.k_transposed = type(config or _default_config(p, device_limits(0))) is MmaConfig and p.transposed_k_loads
+        self.problem, self.splits = p, splits
+        if splits > 1:
+            combine, self.combine_grid = _combine(p)
+            self.combine = compiled(combine, None, 0, 0, "combine")
 
     def __call__(self, q, k, v, out):
         p = self.problem
         axes = _LAYOUT_AXES[p.layout]
         views = [host_storage(x, op).transpose(axes) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        if self.k_transposed:
+            views[1] = np.swapaxes(views[1], 2, 3)  # the kernel takes (B, H, D, S)
         o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
-        self.kernel.launch_arrays(
-            self.grid, self.block, *views, o.transpose(axes), lse, np.float32(p.scale * LOG2E)
-        )
+        scale_log2 = np.float32(p.scale * LOG2E)
+        if self.splits > 1:
+            parts = [np.empty(shape, dtype=np.float32) for shape in _part_shapes(p, self.splits)]
+            self.kernel.launch_arrays(self.grid, self.block, *views, *parts, scale_log2)
+            self.combine.launch_arrays(self.combine_grid, COMBINE_THREADS, *parts, o.transpose(axes), lse)
+        else:
+            self.kernel.launch_arrays(self.grid, self.block, *views, o.transpose(axes), lse, scale_log2)
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
@@ -379,13 +481,13 @@ def _signature(x):
     return _UNCACHED  # other libraries: validated and planned on every call
 
 
-def _make_plan(problem, config=None):
+def _make_plan(problem, config=None, splits=1):
     p = problem
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
-        return _SimulatorPlan(p, config) if SIMULATOR else _HostPlan(p, config)
+        return _SimulatorPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
-        return _TorchPlan(p, config)
-    return _DevicePlan(p, config)
+        return _TorchPlan(p, config, splits)
+    return _DevicePlan(p, config, splits)
 
 
 def tile_candidates(problem):
@@ -404,17 +506,18 @@ def tile_candidates(problem):
             options = mma_configs(p.head_dim, p.head_dim_v)
         else:
             options = simt_configs(p.head_dim, p.head_dim_v)
-        configs += [c for c in options if c.shared_bytes(p.head_dim, p.head_dim_v) <= limits["max_shared"]]
+        configs += [c for c in options if _shared_bytes(p, c) <= limits["max_shared"]]
     return configs
 
 
-def planned(q, k, v, *, scale, config=None):
+def planned(q, k, v, *, scale, config=None, splits=1):
     """``(plan, problem)`` computing ``attention(q, k, v, scale=scale)`` (4-D "bhsd" operands, no
-    mask) with tile configuration ``config`` (the heuristic's when None); ``plan(q, k, v, None)``
-    runs it on arrays laid out like these."""
+    mask) with tile configuration ``config`` (the heuristic's when None) and ``splits`` runs of
+    keys merged at the end (an ``MmaConfig`` when more than one); ``plan(q, k, v, None)`` runs it on
+    arrays laid out like these."""
     q, k, v = (from_dlpack(x) for x in (q, k, v))
     problem = _validate(q, k, v, None, False, scale, "bhsd", False)
-    return _make_plan(problem, config), problem
+    return _make_plan(problem, config, splits), problem
 
 
 def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):

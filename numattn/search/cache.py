@@ -66,7 +66,8 @@ def load(path, key):
         plan = entry["plan"]
         config = plan["config"]
         decoded = None if config is None else _CONFIGS[config["type"]](**config["fields"])
-        return {"kind": plan["kind"], "config": decoded, "k_layout": plan["k_layout"], "table": list(entry["table"])}
+        return {"kind": plan["kind"], "config": decoded, "k_layout": plan["k_layout"], "splits": int(plan["splits"]),
+                "table": list(entry["table"])}
     except (KeyError, TypeError, ValueError) as e:
         warnings.warn(f"ignoring stale numattn tuning cache entry in {path}: {e!r}", stacklevel=3)
         return None
@@ -77,7 +78,8 @@ def store(path, key, plan, table):
     data = _read(path)
     config = None if plan.config is None else {
         "type": type(plan.config).__name__, "fields": dataclasses.asdict(plan.config)}
-    data[key] = {"plan": {"kind": plan.kind, "config": config, "k_layout": plan.k_layout}, "table": table}
+    data[key] = {"plan": {"kind": plan.kind, "config": config, "k_layout": plan.k_layout, "splits": plan.splits},
+                 "table": table}
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")

@@ -7,16 +7,20 @@ import numpy as np
 from .. import __version__
 from .._arrays import describe, from_dlpack
 from .._cuda import SIMULATOR
+from ..kernels.attention_mma import MmaConfig
 from ..kernels.launch import device_limits
 from ..ops.attention import _validate, tile_candidates
 from . import cache
 from .graph import KernelGraph
 from .match import find_attention
-from .plans import Plan, Runner, _as_bhsd, _swap_last
+from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature
 from .tune import Progress, model_seconds, time_seconds
 from .verify import fingerprint_check, numeric_check
 
 CONFIGS = ("attention",)
+SPLITS = (2, 4, 8, 16)  # key splits offered with the mma.sync kernel
+MAX_TRIED = 4  # candidates verified and timed, in the cost model's order
+PRUNE_RATIO = 3.0  # untried: modelled slower than this times the best modelled candidate
 
 
 def random_inputs(graph, rng, device):
@@ -62,7 +66,11 @@ def candidates(graph, sample):
         if layout == "copy":
             k = k.contiguous() if hasattr(k, "contiguous") else np.ascontiguousarray(k)
         problem = _validate(views[0], k, views[2], None, False, m.scale, "bhsd", False)
-        plans += [Plan("fused", matches, config, layout) for config in tile_candidates(problem)]
+        for config in tile_candidates(problem):
+            plans.append(Plan("fused", matches, config, layout))
+            if isinstance(config, MmaConfig):  # runs of keys in parallel, for grids short of query blocks
+                tiles = -(-problem.seqlen_kv // config.block_n)
+                plans += [Plan("fused", matches, config, layout, n) for n in SPLITS if 2 * n <= tiles]
     return plans
 
 
@@ -73,6 +81,7 @@ class OptimizedGraph:
     def __init__(self, graph, plan, table):
         self.graph, self.plan, self.table = graph, plan, table
         self._runners = {self._dims_key(graph): Runner(graph, plan)}
+        self._validated = {}  # torch_signature of validated inputs → the callable that runs them
 
     @staticmethod
     def _dims_key(graph):
@@ -81,7 +90,12 @@ class OptimizedGraph:
     def __call__(self, *args, inputs=None):
         if inputs is not None and args:
             raise TypeError("pass the inputs positionally or as inputs=[...], not both")
-        arrays = list(inputs if inputs is not None else args)
+        arrays = args if inputs is None else inputs
+        signature = torch_signature(arrays)
+        run = self._validated.get(signature) if signature is not None else None
+        if run is not None:
+            return run(arrays)
+        arrays = list(arrays)
         declared = self.graph.inputs
         if len(arrays) != len(declared):
             raise ValueError(f"the graph has {len(declared)} inputs, got {len(arrays)}")
@@ -97,6 +111,8 @@ class OptimizedGraph:
         runner = self._runners.get(tuple(dims))
         if runner is None:
             runner = self._respecialize(dims)
+        if signature is not None:
+            self._validated[signature] = runner.entry(arrays, signature)
         return runner(arrays)
 
     def _respecialize(self, dims):
@@ -119,7 +135,8 @@ class OptimizedGraph:
         for r in self.graph.results():
             graph.mark_output(copies[r.node.index])
         matches = tuple(find_attention(graph)) if self.plan.kind == "fused" else ()
-        plan = Plan(self.plan.kind, matches, self.plan.config, self.plan.k_layout) if matches else Plan("unfused")
+        plan = (Plan(self.plan.kind, matches, self.plan.config, self.plan.k_layout, self.plan.splits) if matches
+                else Plan("unfused"))
         runner = Runner(graph, plan)
         self._runners[tuple(dims)] = runner
         return runner
@@ -179,17 +196,24 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
     hit = cache.load(path, key)
     if hit is not None:
         matches = tuple(find_attention(graph)) if hit["kind"] == "fused" else ()
-        return OptimizedGraph(graph, Plan(hit["kind"], matches, hit["config"], hit["k_layout"]), hit["table"])
+        plan = Plan(hit["kind"], matches, hit["config"], hit["k_layout"], hit["splits"])
+        return OptimizedGraph(graph, plan, hit["table"])
 
     rng = np.random.default_rng(seed)
     sample, _ = random_inputs(graph, rng, device)
-    plans = candidates(graph, sample)
-    progress = Progress(len(plans), verbose)
-    table, best, best_seconds = [], None, None
+    modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(candidates(graph, sample)))
+    progress = Progress(len(modelled), verbose)
+    table, best, best_seconds, tried = [], None, None, 0
     semantics_verdict = {}
     started = time.perf_counter()
-    for plan in plans:
+    for model, _, plan in modelled:
         row = {"plan": plan.describe(), "verified": False, "seconds": None, "note": ""}
+        if best is not None and (tried >= MAX_TRIED or model > PRUNE_RATIO * modelled[0][0]):
+            row["note"] = f"not tried: modelled {model * 1e6:.1f} us, best modelled {modelled[0][0] * 1e6:.1f} us"
+            table.append(row)
+            progress.step(row["plan"])
+            continue
+        tried += 1
         semantics = plan.semantics(graph)
         text = semantics.canonical()
         if text not in semantics_verdict:
@@ -217,6 +241,6 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
     if best is None:
         raise RuntimeError("no candidate passed verification:\n" + "\n".join(f"{r['plan']}: {r['note']}" for r in table))
     if verbose:
-        print(f"searched {len(plans)} candidates in {time.perf_counter() - started:.1f} s")
+        print(f"searched {len(modelled)} candidates ({tried} tried) in {time.perf_counter() - started:.1f} s")
     cache.store(path, key, best, table)
     return OptimizedGraph(graph, best, table)

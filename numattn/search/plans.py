@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._arrays import describe, from_dlpack, host_storage, is_torch, storage_dtype, wrap_host
+from .._arrays import describe, from_dlpack, host_storage, is_torch, storage_dtype, torch_current, wrap_host
 from .._cuda import SIMULATOR, cuda
 from ..kernels import graph_ops
 from ..kernels.launch import compiled
@@ -36,13 +36,15 @@ class Plan:
     matches: tuple = ()
     config: object = None
     k_layout: str = "copy"
+    splits: int = 1
     overrides: dict = field(default_factory=dict, hash=False, compare=False)
 
     def describe(self):
         if self.kind == "unfused":
             return "unfused: one kernel per operation"
         fixes = "".join(f" {k}={v}" for k, v in self.overrides.items())
-        return f"fused attention {self.config} k={self.k_layout}{fixes}"
+        splits = f" splits={self.splits}" if self.splits > 1 else ""
+        return f"fused attention {self.config} k={self.k_layout}{splits}{fixes}"
 
     def semantics(self, graph):
         """The graph this plan computes (what the finite-field check compares with ``graph``)."""
@@ -75,13 +77,15 @@ class Runner:
         self.skipped = set().union(*(m.covered for m in plan.matches)) - set(self.fused)
         self.dtype = graph.inputs[0].dtype.name
         self._attention = {}
+        self._entries = {}  # torch_signature → fast closure (or None: the general path)
 
     # -- storage ↔ float32 ---------------------------------------------------------------------
     def _storage(self, x):
         """A 4-D view of a caller array's storage that kernels index (numpy in the simulator)."""
         op = describe(x, "input")
         if op.device is None or SIMULATOR:
-            return host_storage(x, op).reshape(_pad4(op.shape)) if op.shape else host_storage(x, op)
+            storage = host_storage(x, op).reshape(_pad4(op.shape))
+            return storage if SIMULATOR else cuda.to_device(np.ascontiguousarray(storage), stream=self.stream)
         typestr = "<u2" if op.dtype in ("float16", "bfloat16") else "<f4"
         itemsize = storage_dtype(op.dtype).itemsize
         strides = (0,) * (4 - len(op.shape)) + tuple(op.strides)
@@ -115,6 +119,8 @@ class Runner:
         self._launch(graph_ops.narrow_kernel(self.dtype), out.size, wide, out)
         if self.host:
             return wrap_host(out.reshape(dims), like, self.dtype)
+        if describe(like, "input").device is None:  # host inputs on a GPU machine: results back on the host
+            return wrap_host(out.copy_to_host(stream=self.stream).reshape(dims), like, self.dtype)
         if is_torch(like):
             import torch
 
@@ -127,11 +133,66 @@ class Runner:
         return x if kind == "caller" else self._narrow(x, dims, like)
 
     # -- execution ----------------------------------------------------------------------------
+    def entry(self, arrays, signature):
+        """The cheapest callable for arrays with this ``torch_signature``: a closure that only makes
+        views and launches, when the plan is one fused attention over graph inputs; else ``self``."""
+        if signature not in self._entries:
+            self._entries[signature] = self._fast_closure(arrays)
+        return self._entries[signature] or self
+
+    def _fast_closure(self, arrays):
+        results, nodes = self.graph.results(), self.graph.nodes
+        if self.plan.kind != "fused" or len(self.plan.matches) != 1 or len(results) != 1:
+            return None
+        m = self.plan.matches[0]
+        if results[0].node.index != m.out or any(nodes[i].op != "input" for i in (m.q, m.k, m.v)):
+            return None
+        if not all(is_torch(x) and x.is_cuda for x in arrays):
+            return None
+        qp, kp, vp = (nodes[i].attrs["position"] for i in (m.q, m.k, m.v))
+        q_dims, k_dims, v_dims = (nodes[i].output.dims for i in (m.q, m.k, m.v))
+        out_dims, copy = results[0].dims, self.plan.k_layout == "copy"
+
+        def views(arrays):
+            k4 = _swap_last(_as_bhsd(arrays[kp], k_dims))
+            return _as_bhsd(arrays[qp], q_dims), k4.contiguous() if copy else k4, _as_bhsd(arrays[vp], v_dims)
+
+        scale = self.plan.overrides.get("scale", m.scale)
+        attention, _ = planned(*views(arrays), scale=scale, config=self.plan.config, splits=self.plan.splits)
+        if copy:
+            def run(arrays):
+                q4, k4, v4 = views(arrays)
+                return [attention(q4, k4, v4, None).view(out_dims)]
+
+            return run
+        # keys read in place: only data pointers change between calls, and the output is allocated in
+        # the graph's shape (the attention output's layout, without its head axis)
+        import torch
+
+        device = arrays[qp].device
+        out_template = torch.empty(1, dtype=arrays[qp].dtype, device=device).expand(out_dims)
+        empty_like, launch = torch.empty_like, attention.launch_pointers
+        current = torch_current()[0]
+
+        def run(arrays):
+            if current() != device.index:  # another GPU is current: the general path switches to ours
+                q4, k4, v4 = views(arrays)
+                return [attention(q4, k4, v4, None).view(out_dims)]
+            out = empty_like(out_template)
+            launch(arrays[qp].data_ptr(), arrays[kp].data_ptr(), arrays[vp].data_ptr(), out.data_ptr(), 0)
+            return [out]
+
+        return run
+
     def __call__(self, inputs):
+        signature = torch_signature(inputs)
+        if signature is not None:
+            run = self.entry(inputs, signature)
+            if run is not self:
+                return run(inputs)
         inputs = [from_dlpack(x) for x in inputs]
         like = inputs[0]
-        first = describe(like, "input")
-        self.host = first.device is None or SIMULATOR
+        self.host = SIMULATOR  # numpy arrays throughout; on a GPU, host inputs are copied in and out
         self.stream = 0
         if not self.host and is_torch(like):
             import torch
@@ -177,10 +238,18 @@ class Runner:
         key = (match.out, describe(q4, "q").strides, describe(k4, "k").strides, describe(v4, "v").strides)
         plan = self._attention.get(key)
         if plan is None:
-            plan, _ = planned(q4, k4, v4, scale=scale, config=self.plan.config)
+            plan, _ = planned(q4, k4, v4, scale=scale, config=self.plan.config, splits=self.plan.splits)
             self._attention[key] = plan
         o = plan(q4, k4, v4, None)
         return o.reshape(graph.nodes[match.out].output.dims)
+
+
+def torch_signature(arrays):
+    """What a prepared launch depends on, for a sequence of torch tensors; None for other arrays."""
+    try:
+        return tuple((x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) for x in arrays)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _as_bhsd(x, dims):

@@ -4,15 +4,17 @@ import sys
 
 import numpy as np
 
-# the cost model's device: an H100's copy bandwidth and tensor/CUDA-core rates, per-launch cost
+# the cost model's device: an H100's copy bandwidth, tensor/CUDA-core rates and SMs, per-launch cost
 _BANDWIDTH = 3.0e12
 _FLOPS = {"WgmmaConfig": 600e12, "MmaConfig": 300e12, "SimtConfig": 15e12, "unfused": 5e12}
+_SMS = 132
 _LAUNCH_SECONDS = 5e-6
 
 
 def model_seconds(graph, plan):
     """Estimated seconds of ``plan``: per kernel, bytes over bandwidth or FLOPs over the kernel's
-    rate, whichever is larger, plus a launch cost."""
+    rate, whichever is larger, plus a launch cost. A fused kernel's rate counts whole waves of its
+    query blocks over the SMs (a grid of 8 blocks uses 8 of 132 SMs)."""
     itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[graph.inputs[0].dtype.name]
     fused = {m.out: m for m in plan.matches}
     skipped = set().union(*(m.covered for m in plan.matches)) - set(fused)
@@ -29,7 +31,12 @@ def model_seconds(graph, plan):
             nbytes = itemsize * sum(int(np.prod(d)) for d in (q, k, v, out))
             if plan.k_layout == "copy":
                 total += 2 * itemsize * int(np.prod(k)) / _BANDWIDTH + _LAUNCH_SECONDS
-            rate = _FLOPS[type(plan.config).__name__]
+            rate = _FLOPS.get(type(plan.config).__name__, _FLOPS["MmaConfig"])  # None: the heuristic's
+            if plan.config is not None:
+                blocks = batch * -(-out[-2] // plan.config.block_m) * plan.splits
+                rate *= blocks / (_SMS * -(-blocks // _SMS))
+            if plan.splits > 1:  # the combine: float32 partials written and read back
+                total += 2 * 4 * batch * out[-2] * plan.splits * (out[-1] + 1) / _BANDWIDTH + _LAUNCH_SECONDS
         else:
             dims = node.output.dims
             nbytes = 4 * (int(np.prod(dims)) + sum(int(np.prod(i.dims)) for i in node.inputs))
