@@ -105,10 +105,14 @@ _CANDIDATES = {
 }
 
 
+# Blocks of 16 and 32 query rows, for grids short of query blocks (a tuner's candidates, after the heuristic's)
+_SHORT_QUERY_BLOCKS = (MmaConfig(64, 2, 1, True), MmaConfig(64, 1, 1, True))
+
+
 def mma_configs(head_dim, head_dim_v):
     """The tile configurations worth trying for these head dims, the heuristic's preference first."""
     widest = max(head_dim, head_dim_v)
-    return _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+    return _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256] + _SHORT_QUERY_BLOCKS
 
 
 def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):

@@ -348,10 +348,12 @@ class _TorchPlan(_DevicePlan):
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
         self._out_template = one.expand(p.out_shape)
         self._lse_template = one.float().expand(p.lse_shape)
-        # one float32 workspace per call for both split partials: o_part, then lse_part
+        # one float32 workspace for both split partials (o_part, then lse_part) per stream: calls on a
+        # stream are ordered, so they share it; another stream gets its own
         self._part_elems = int(np.prod(self.part_shapes[0]))
         workspace = self._part_elems + int(np.prod(self.part_shapes[1]))
         self._workspace_template = one.float().expand(workspace) if splits > 1 else None
+        self._workspaces, self._workspace_pointers = {}, {}
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -371,10 +373,12 @@ class _TorchPlan(_DevicePlan):
         if self._workspace_template is None:
             self.launch(stream, q, k, v, out, lse)
             return
-        workspace = self._torch.empty_like(self._workspace_template)
-        part = workspace.data_ptr()
+        part = self._workspace_pointers.get(stream)
+        if part is None:
+            workspace = self._torch.empty_like(self._workspace_template)
+            self._workspaces[stream], self._workspace_pointers[stream] = workspace, workspace.data_ptr()
+            part = workspace.data_ptr()
         self.launch(stream, q, k, v, out, lse, part, part + 4 * self._part_elems)
-        # the workspace returns to torch's caching allocator now; the stream orders its reuse after these kernels
 
 
 class _HostPlan:

@@ -91,10 +91,10 @@ class OptimizedGraph:
         if inputs is not None and args:
             raise TypeError("pass the inputs positionally or as inputs=[...], not both")
         arrays = args if inputs is None else inputs
-        signature = torch_signature(arrays)
+        signature, pointers = torch_signature(arrays)
         run = self._validated.get(signature) if signature is not None else None
         if run is not None:
-            return run(arrays)
+            return run(arrays, pointers)
         arrays = list(arrays)
         declared = self.graph.inputs
         if len(arrays) != len(declared):

@@ -160,7 +160,7 @@ class Runner:
         scale = self.plan.overrides.get("scale", m.scale)
         attention, _ = planned(*views(arrays), scale=scale, config=self.plan.config, splits=self.plan.splits)
         if copy:
-            def run(arrays):
+            def run(arrays, pointers=None):
                 q4, k4, v4 = views(arrays)
                 return [attention(q4, k4, v4, None).view(out_dims)]
 
@@ -172,24 +172,24 @@ class Runner:
         device = arrays[qp].device
         out_template = torch.empty(1, dtype=arrays[qp].dtype, device=device).expand(out_dims)
         empty_like, launch = torch.empty_like, attention.launch_pointers
-        current = torch_current()[0]
+        current, index = torch_current()[0], device.index
 
-        def run(arrays):
-            if current() != device.index:  # another GPU is current: the general path switches to ours
+        def run(arrays, pointers):
+            if current() != index:  # another GPU is current: the general path switches to ours
                 q4, k4, v4 = views(arrays)
                 return [attention(q4, k4, v4, None).view(out_dims)]
             out = empty_like(out_template)
-            launch(arrays[qp].data_ptr(), arrays[kp].data_ptr(), arrays[vp].data_ptr(), out.data_ptr(), 0)
+            launch(pointers[qp], pointers[kp], pointers[vp], out.data_ptr(), 0)
             return [out]
 
         return run
 
-    def __call__(self, inputs):
-        signature = torch_signature(inputs)
+    def __call__(self, inputs, pointers=None):
+        signature, pointers = torch_signature(inputs)
         if signature is not None:
             run = self.entry(inputs, signature)
             if run is not self:
-                return run(inputs)
+                return run(inputs, pointers)
         inputs = [from_dlpack(x) for x in inputs]
         like = inputs[0]
         self.host = SIMULATOR  # numpy arrays throughout; on a GPU, host inputs are copied in and out
@@ -245,11 +245,14 @@ class Runner:
 
 
 def torch_signature(arrays):
-    """What a prepared launch depends on, for a sequence of torch tensors; None for other arrays."""
+    """``(signature, pointers)``: what a prepared launch depends on, for a sequence of torch tensors,
+    and their data pointers; ``(None, None)`` for other arrays."""
     try:
-        return tuple((x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) for x in arrays)
+        pointers = [x.data_ptr() for x in arrays]
+        return tuple((x.__class__, x.dtype, x.shape, x.stride(), x.device, p & 15)
+                     for x, p in zip(arrays, pointers)), pointers
     except (AttributeError, TypeError):
-        return None
+        return None, None
 
 
 def _as_bhsd(x, dims):

@@ -32,9 +32,9 @@ def model_seconds(graph, plan):
             if plan.k_layout == "copy":
                 total += 2 * itemsize * int(np.prod(k)) / _BANDWIDTH + _LAUNCH_SECONDS
             rate = _FLOPS.get(type(plan.config).__name__, _FLOPS["MmaConfig"])  # None: the heuristic's
-            if plan.config is not None:
-                blocks = batch * -(-out[-2] // plan.config.block_m) * plan.splits
-                rate *= blocks / (_SMS * -(-blocks // _SMS))
+            if plan.config is not None:  # whole waves of blocks; under four warps a block leaves
+                blocks = batch * -(-out[-2] // plan.config.block_m) * plan.splits  # sub-partitions idle
+                rate *= blocks / (_SMS * -(-blocks // _SMS)) * min(1.0, plan.config.num_threads / 128)
             if plan.splits > 1:  # the combine: float32 partials written and read back
                 total += 2 * 4 * batch * out[-2] * plan.splits * (out[-1] + 1) / _BANDWIDTH + _LAUNCH_SECONDS
         else:
