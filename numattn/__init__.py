@@ -7,10 +7,11 @@ from .ops.attention import attention
 from .ops.decode import csr_page_table, decode, merge_states, paged_decode
 from .ops.mla import mla_decode
 from .search import bfloat16, float16, float32, new_kernel_graph
+from .search.functional import tune
 
 __version__ = "0.1.0"
 
 __all__ = [
     "attention", "decode", "paged_decode", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "__version__",
-    "new_kernel_graph", "float16", "bfloat16", "float32",
+    "new_kernel_graph", "float16", "bfloat16", "float32", "tune",
 ]

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import numattn as mi
+from numattn.search import cache
 from numattn.search.interpret import evaluate
 from numattn.search.match import find_attention
 from numattn.search.pipeline import random_inputs
@@ -204,3 +205,37 @@ def test_key_split_attention_plans_match_reference(rng, causal, transposed):
         finite = np.isfinite(ref_lse)
         np.testing.assert_array_equal(np.isfinite(lse), finite)
         np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4)
+
+
+def test_tune_stores_a_configuration_that_attention_then_uses(tmp_path, monkeypatch, rng):
+    from numattn.ops import attention as attention_module
+    from numattn.search.functional import problem_key
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q = rng.uniform(-1, 1, (1, 2, 24, 32)).astype(np.float16)
+    k = rng.uniform(-1, 1, (1, 1, 70, 32)).astype(np.float16)
+    v = rng.uniform(-1, 1, (1, 1, 70, 32)).astype(np.float16)
+    table = mi.tune(q, k, v, causal=True, scale=0.2)
+    assert any(row["verified"] for row in table)
+    problem = attention_module._validate(q, k, v, None, True, 0.2, "bhsd", False)
+    stored = cache.load(str(tmp_path / "superoptimize.json"), problem_key(problem))
+    fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
+    assert (repr(stored["config"]), stored["splits"]) == (fastest["config"], fastest["splits"])
+    plan = attention_module._tuned_or_default_plan(problem)  # built from the stored configuration
+    assert (plan.config, plan.splits) == (stored["config"], stored["splits"])
+    o = mi.attention(q, k, v, causal=True, scale=0.2)
+    np.testing.assert_allclose(o.astype(np.float64), mi.reference.attention(q, k, v, causal=True, scale=0.2), atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_tune_on_gpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q, k, v = (torch.rand(shape, device="cuda", dtype=torch.bfloat16) - 0.5
+               for shape in [(2, 4, 200, 64), (2, 2, 1000, 64), (2, 2, 1000, 64)])
+    table = mi.tune(q, k, v, causal=True, profile_iters=20)
+    assert sum(row["verified"] for row in table) >= 2 and all(row["seconds"] for row in table if row["verified"])
+    o = mi.attention(q, k, v, causal=True)
+    ref = mi.reference.attention(q, k, v, causal=True)
+    assert np.abs(o.double().cpu().numpy() - ref).max() < 1.6e-2

@@ -210,7 +210,7 @@ def _default_config(p, limits):
 
 
 def _attention_kernel(p, device, config=None, splits=1):
-    """``(dispatcher, grid, threads, shared_bytes, label)`` of the kernel that computes problem ``p``.
+    """``(dispatcher, grid, threads, shared_bytes, label, config)`` of the kernel that computes problem ``p``.
 
     The wgmma kernel on sm_90 where it applies (fp16/bf16, head dims multiples
     of 64), the mma.sync kernel on other tensor-core GPUs or head dims multiples
@@ -241,7 +241,7 @@ def _attention_kernel(p, device, config=None, splits=1):
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
     label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
     grid = (grid, splits) if splits > 1 else grid
-    return dispatcher, grid, config.num_threads, _shared_bytes(p, config), label
+    return dispatcher, grid, config.num_threads, _shared_bytes(p, config), label, config
 
 
 def _swap_last(values):
@@ -272,7 +272,7 @@ class _DevicePlan:
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
     def __init__(self, p, config=None, splits=1):
-        dispatcher, grid, threads, shared_bytes, label = _attention_kernel(p, p.device, config, splits)
+        dispatcher, grid, threads, shared_bytes, label, self.config = _attention_kernel(p, p.device, config, splits)
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32 = types.float32
         self.problem, self.splits = p, splits
@@ -287,7 +287,7 @@ class _DevicePlan:
         out_array = (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize)
         lse_array = (p.lse_shape, contiguous_strides(p.lse_shape), 4)
         k_shape, k_strides = p.bhsd(p.k.shape), p.bhsd(p.k.strides)
-        if type(config or _default_config(p, device_limits(p.device))) is MmaConfig and p.transposed_k_loads:
+        if type(self.config) is MmaConfig and p.transposed_k_loads:
             k_shape, k_strides = _swap_last(k_shape), _swap_last(k_strides)  # the kernel takes (B, H, D, S)
         inputs = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
@@ -392,6 +392,7 @@ class _HostPlan:
         }
         self.device_problem = replace(p, device=device, out=None, **contiguous)
         self.device_plan = _DevicePlan(self.device_problem, config, splits)
+        self.config, self.splits = self.device_plan.config, splits
         self.problem = p
 
     def __call__(self, q, k, v, out):
@@ -416,9 +417,9 @@ class _SimulatorPlan:
     """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
 
     def __init__(self, p, config=None, splits=1):
-        dispatcher, self.grid, self.block, shared_bytes, label = _attention_kernel(p, 0, config, splits)
+        dispatcher, self.grid, self.block, shared_bytes, label, self.config = _attention_kernel(p, 0, config, splits)
         self.kernel = compiled(dispatcher, None, 0, shared_bytes, label)
-        self.k_transposed = type(config or _default_config(p, device_limits(0))) is MmaConfig and p.transposed_k_loads
+        self.k_transposed = type(self.config) is MmaConfig and p.transposed_k_loads
         self.problem, self.splits = p, splits
         if splits > 1:
             combine, self.combine_grid = _combine(p)
@@ -581,6 +582,19 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     return plan(q, k, v, out)
 
 
+def _tuned_or_default_plan(problem):
+    """The plan with the configuration ``numattn.tune`` stored for this problem, else the heuristic's."""
+    from ..search.functional import tuned_config
+
+    tuned = tuned_config(problem)
+    if tuned is not None:
+        try:
+            return _make_plan(problem, *tuned)
+        except ValueError:  # an entry that no longer fits this problem's kernels: the heuristic
+            pass
+    return _make_plan(problem)
+
+
 def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
     """Validate and plan a call missing from the cache; cache the plan when the arguments allow."""
     try:
@@ -596,7 +610,7 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
     plan = _PLANS.get(key) if cacheable else None
     if plan is None:
         q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
-        plan = _make_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
+        plan = _tuned_or_default_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
         if cacheable:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()

@@ -11,10 +11,25 @@ _SMS = 132
 _LAUNCH_SECONDS = 5e-6
 
 
+def attention_seconds(q, k, v, out, itemsize, config, splits):
+    """Modelled seconds of one fused attention kernel (and its combine when split) on dims ``q`` (…, Sq, D),
+    ``k`` (…, D, Skv), ``v`` (…, Skv, Dv), ``out`` (…, Sq, Dv)."""
+    batch = int(np.prod(out[:-2]))
+    flops = 2.0 * batch * out[-2] * k[-1] * (q[-1] + v[-1])
+    nbytes = itemsize * sum(int(np.prod(d)) for d in (q, k, v, out))
+    rate = _FLOPS.get(type(config).__name__, _FLOPS["MmaConfig"])  # None: the heuristic's
+    if config is not None:  # whole waves of blocks; under four warps a block leaves sub-partitions idle
+        blocks = batch * -(-out[-2] // config.block_m) * splits
+        rate *= blocks / (_SMS * -(-blocks // _SMS)) * min(1.0, config.num_threads / 128)
+    seconds = max(nbytes / _BANDWIDTH, flops / rate) + _LAUNCH_SECONDS
+    if splits > 1:  # the combine: float32 partials written and read back
+        seconds += 2 * 4 * batch * out[-2] * splits * (out[-1] + 1) / _BANDWIDTH + _LAUNCH_SECONDS
+    return seconds
+
+
 def model_seconds(graph, plan):
     """Estimated seconds of ``plan``: per kernel, bytes over bandwidth or FLOPs over the kernel's
-    rate, whichever is larger, plus a launch cost. A fused kernel's rate counts whole waves of its
-    query blocks over the SMs (a grid of 8 blocks uses 8 of 132 SMs)."""
+    rate, whichever is larger, plus a launch cost (``attention_seconds`` for fused attention)."""
     itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[graph.inputs[0].dtype.name]
     fused = {m.out: m for m in plan.matches}
     skipped = set().union(*(m.covered for m in plan.matches)) - set(fused)
@@ -25,24 +40,14 @@ def model_seconds(graph, plan):
         if node.index in fused:
             m = fused[node.index]
             q, k, v = (graph.nodes[i].output.dims for i in (m.q, m.k, m.v))
-            out = node.output.dims
-            batch = int(np.prod(out[:-2]))
-            flops = 2.0 * batch * out[-2] * k[-1] * (q[-1] + v[-1])
-            nbytes = itemsize * sum(int(np.prod(d)) for d in (q, k, v, out))
             if plan.k_layout == "copy":
                 total += 2 * itemsize * int(np.prod(k)) / _BANDWIDTH + _LAUNCH_SECONDS
-            rate = _FLOPS.get(type(plan.config).__name__, _FLOPS["MmaConfig"])  # None: the heuristic's
-            if plan.config is not None:  # whole waves of blocks; under four warps a block leaves
-                blocks = batch * -(-out[-2] // plan.config.block_m) * plan.splits  # sub-partitions idle
-                rate *= blocks / (_SMS * -(-blocks // _SMS)) * min(1.0, plan.config.num_threads / 128)
-            if plan.splits > 1:  # the combine: float32 partials written and read back
-                total += 2 * 4 * batch * out[-2] * plan.splits * (out[-1] + 1) / _BANDWIDTH + _LAUNCH_SECONDS
-        else:
-            dims = node.output.dims
-            nbytes = 4 * (int(np.prod(dims)) + sum(int(np.prod(i.dims)) for i in node.inputs))
-            flops = 2.0 * int(np.prod(dims)) * (node.inputs[0].dims[-1] if node.op == "matmul" else 1)
-            rate = _FLOPS["unfused"]
-        total += max(nbytes / _BANDWIDTH, flops / rate) + _LAUNCH_SECONDS
+            total += attention_seconds(q, k, v, node.output.dims, itemsize, plan.config, plan.splits)
+            continue
+        dims = node.output.dims
+        nbytes = 4 * (int(np.prod(dims)) + sum(int(np.prod(i.dims)) for i in node.inputs))
+        flops = 2.0 * int(np.prod(dims)) * (node.inputs[0].dims[-1] if node.op == "matmul" else 1)
+        total += max(nbytes / _BANDWIDTH, flops / _FLOPS["unfused"]) + _LAUNCH_SECONDS
     return total
 
 
