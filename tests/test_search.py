@@ -239,3 +239,16 @@ def test_tune_on_gpu(tmp_path, monkeypatch):
     o = mi.attention(q, k, v, causal=True)
     ref = mi.reference.attention(q, k, v, causal=True)
     assert np.abs(o.double().cpu().numpy() - ref).max() < 1.6e-2
+
+
+@pytest.mark.gpu
+def test_unfused_plan_on_gpu_with_torch(rng):
+    import torch
+
+    g = mi.new_kernel_graph()
+    x = g.new_input((4, 8, 32), mi.bfloat16)
+    g.mark_output(g.silu(g.rms_norm(x)))
+    arrays, exact = random_inputs(g, rng, 0)
+    (out,) = Runner(g, Plan("unfused"))(arrays)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
+    np.testing.assert_allclose(to_float64(out), evaluate(g, exact)[0], atol=3e-2)

@@ -115,17 +115,22 @@ class Runner:
 
     def _narrow(self, wide, dims, like):
         """A float32 value as an array of the graph's dtype in the caller's library."""
+        if not self.host and is_torch(like) and like.is_cuda:  # into a torch tensor, seen by numba as storage
+            import torch
+
+            result = torch.empty(dims, dtype=getattr(torch, self.dtype), device=like.device)
+            itemsize = storage_dtype(self.dtype).itemsize
+            strides = (0,) * (4 - len(dims)) + tuple(result.stride())
+            typestr = "<f4" if self.dtype == "float32" else "<u2"
+            out = cuda.as_cuda_array(_CaiView(result.data_ptr(), _pad4(dims), strides, itemsize, typestr))
+            self._launch(graph_ops.narrow_kernel(self.dtype), out.size, wide, out)
+            return result
         out = self._empty(dims, storage_dtype(self.dtype))
         self._launch(graph_ops.narrow_kernel(self.dtype), out.size, wide, out)
         if self.host:
             return wrap_host(out.reshape(dims), like, self.dtype)
         if describe(like, "input").device is None:  # host inputs on a GPU machine: results back on the host
             return wrap_host(out.copy_to_host(stream=self.stream).reshape(dims), like, self.dtype)
-        if is_torch(like):
-            import torch
-
-            t = torch.as_tensor(out, device=like.device).reshape(dims)
-            return t.view(getattr(torch, self.dtype)) if self.dtype != "float32" else t
         return out.reshape(dims)
 
     def _caller(self, value, dims, like):
