@@ -213,9 +213,9 @@ def _attention_kernel(p, device, config=None, splits=1):
     """``(dispatcher, grid, threads, shared_bytes, label, config)`` of the kernel that computes problem ``p``.
 
     The wgmma kernel on sm_90 where it applies (fp16/bf16, head dims multiples
-    of 64), the mma.sync kernel on other tensor-core GPUs or head dims multiples
-    of 16, the SIMT kernel otherwise (fp32, other head dims, rows unfit for
-    16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
+    of 64), the mma.sync kernel on other tensor-core GPUs, head dims multiples
+    of 16, or K stored transposed (keys contiguous), the SIMT kernel otherwise
+    (fp32, other head dims, rows unfit for 16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
     ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (the
     ``mma.sync`` kernel) divides the keys into runs whose partial results
     ``combine_kernel`` merges; the grid is then ``(blocks, splits)``.

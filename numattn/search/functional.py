@@ -4,6 +4,7 @@
 
 import hashlib
 import os
+import sys
 
 import numpy as np
 
@@ -77,7 +78,7 @@ def tune(q, k, v, *, causal=False, scale=None, layout="bhsd", warmup_iters=8, pr
             tiles = -(-problem.seqlen_kv // config.block_n)
             candidates += [(config, n) for n in SPLITS if 2 * n <= tiles]
     device = None if SIMULATOR else _device_id()
-    progress = Progress(len(candidates), verbose)
+    progress = Progress(len(candidates), verbose or sys.stderr.isatty())
     table, best = [], None
     for config, splits in candidates:
         row = {"config": repr(config), "splits": splits, "verified": False, "seconds": None, "note": ""}

@@ -1,5 +1,6 @@
 """``superoptimize``: match → candidates → verify → rank → cache, and the callable result."""
 
+import sys
 import time
 
 import numpy as np
@@ -202,7 +203,7 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
     rng = np.random.default_rng(seed)
     sample, _ = random_inputs(graph, rng, device)
     modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(candidates(graph, sample)))
-    progress = Progress(len(modelled), verbose)
+    progress = Progress(len(modelled), verbose or sys.stderr.isatty())
     table, best, best_seconds, tried = [], None, None, 0
     semantics_verdict = {}
     started = time.perf_counter()
