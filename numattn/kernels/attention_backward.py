@@ -1,0 +1,108 @@
+"""Backward of softmax attention on CUDA cores (FlashAttention-2's recomputation, no atomics).
+
+With ``P = exp(scale · q kᵀ - lse)`` recomputed from the forward's log-sum-exp
+and ``delta_i = Σ_d dO[i, d] O[i, d]``:
+
+    dV_j = Σ_i P_ij dO_i          dS_ij = P_ij (dO_i · V_j - delta_i)
+    dK_j = scale Σ_i dS_ij Q_i    dQ_i = scale Σ_j dS_ij K_j
+
+Three kernels: ``delta`` (one thread per query row), ``dq`` (one thread per
+query row, looping over its visible keys) and ``dkdv`` (one thread per key row
+of a key/value head, looping over every query row of every query head in its
+group, so that a KV head's gradients sum its group without atomics).
+Arrays are 4-D (batch, heads, seq, dim) with any strides, in the storage
+dtype (16-bit floats as uint16); gradients and delta are float32. Causal masking
+is bottom-right: key j is visible to query i when ``j <= i + Skv - Sq``.
+"""
+
+import functools
+import math
+
+from numba import float32
+
+from .._cuda import cuda
+from .ptx import cvt_f32_bf16, cvt_f32_f16
+
+
+@functools.lru_cache(maxsize=None)
+def backward_kernels(dtype, head_dim, head_dim_v, causal):
+    """``(delta, dq, dkdv)`` kernels; launch each with one thread per row (``rows_grid``):
+    ``delta(o, do, delta)``, ``dq(q, k, v, do, lse, delta, dq, scale)``,
+    ``dkdv(q, k, v, do, lse, delta, dk, dv, scale)``; ``lse`` natural log [B, Hq, Sq]."""
+    D, DV, CAUSAL = head_dim, head_dim_v, causal
+    widen = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def at(x, b, h, i, d):
+        return widen(x[b, h, i, d]) if widen is not None else x[b, h, i, d]
+
+    @cuda.jit(device=True, inline="always")
+    def dot(x, bx, hx, ix, y, by, hy, iy, n):
+        total = float32(0.0)
+        for d in range(n):
+            total += at(x, bx, hx, ix, d) * at(y, by, hy, iy, d)
+        return total
+
+    @cuda.jit
+    def delta_kernel(o, do, delta):
+        row = cuda.grid(1)
+        heads, seqlen_q = o.shape[1], o.shape[2]
+        if row < o.shape[0] * heads * seqlen_q:
+            b, h, i = row // (heads * seqlen_q), (row // seqlen_q) % heads, row % seqlen_q
+            delta[b, h, i] = dot(o, b, h, i, do, b, h, i, DV)
+
+    @cuda.jit
+    def dq_kernel(q, k, v, do, lse, delta, dq, scale):
+        row = cuda.grid(1)
+        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        if row < q.shape[0] * heads * seqlen_q:
+            b, h, i = row // (heads * seqlen_q), (row // seqlen_q) % heads, row % seqlen_q
+            h_kv = h // (heads // heads_kv)
+            acc = cuda.local.array(D, float32)
+            for d in range(D):
+                acc[d] = 0.0
+            end = min(seqlen_kv, i + seqlen_kv - seqlen_q + 1) if CAUSAL else seqlen_kv
+            for j in range(end):
+                p = math.exp(scale * dot(q, b, h, i, k, b, h_kv, j, D) - lse[b, h, i])
+                ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
+                for d in range(D):
+                    acc[d] += ds * at(k, b, h_kv, j, d)
+            for d in range(D):
+                dq[b, h, i, d] = acc[d] * scale
+
+    @cuda.jit
+    def dkdv_kernel(q, k, v, do, lse, delta, dk, dv, scale):
+        row = cuda.grid(1)
+        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        if row < k.shape[0] * heads_kv * seqlen_kv:
+            b, h_kv, j = row // (heads_kv * seqlen_kv), (row // seqlen_kv) % heads_kv, row % seqlen_kv
+            group = heads // heads_kv
+            dk_acc = cuda.local.array(D, float32)
+            dv_acc = cuda.local.array(DV, float32)
+            for d in range(D):
+                dk_acc[d] = 0.0
+            for d in range(DV):
+                dv_acc[d] = 0.0
+            first = max(0, j - (seqlen_kv - seqlen_q)) if CAUSAL else 0
+            for h in range(h_kv * group, (h_kv + 1) * group):
+                for i in range(first, seqlen_q):
+                    p = math.exp(scale * dot(q, b, h, i, k, b, h_kv, j, D) - lse[b, h, i])
+                    for d in range(DV):
+                        dv_acc[d] += p * at(do, b, h, i, d)
+                    ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
+                    for d in range(D):
+                        dk_acc[d] += ds * at(q, b, h, i, d)
+            for d in range(D):
+                dk[b, h_kv, j, d] = dk_acc[d] * scale
+            for d in range(DV):
+                dv[b, h_kv, j, d] = dv_acc[d]
+
+    return delta_kernel, dq_kernel, dkdv_kernel
+
+
+THREADS = 128
+
+
+def rows_grid(rows):
+    """Blocks of ``THREADS`` threads covering ``rows`` rows."""
+    return max(1, -(-rows // THREADS))

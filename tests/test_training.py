@@ -1,0 +1,108 @@
+"""numattn.torch: the attention autograd function (backward kernels) and the GQA module."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import numattn.torch as nt  # noqa: E402
+
+GRAD_ATOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
+
+
+def reference_attention(q, k, v, causal, scale):
+    """float64 softmax attention with GQA by repetition and bottom-right causal masking; a row that sees
+    no key gives 0 (as numattn's forward)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = scale * q @ k.transpose(-1, -2)
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        mask = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v
+
+
+def check_gradients(q, k, v, causal):
+    """numattn's gradients against float64 autograd of the reference, for every input that requires one."""
+    scale = 0.7 / q.shape[-1] ** 0.5
+    o = nt.attention(q, k, v, causal=causal, scale=scale)
+    do = torch.randn_like(o)
+    o.backward(do)
+    exact = [x.detach().double().requires_grad_(x.requires_grad) for x in (q, k, v)]
+    ref = reference_attention(*exact, causal, scale)
+    ref.backward(do.double())
+    assert (o.double() - ref).abs().max().item() <= GRAD_ATOL[q.dtype]
+    for x, e in zip((q, k, v), exact):
+        if x.requires_grad:
+            assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
+            err = (x.grad.double() - e.grad).abs().max().item()
+            assert err <= GRAD_ATOL[q.dtype] * max(1.0, e.grad.abs().max().item()), err
+        else:
+            assert x.grad is None
+
+
+def leaf(shape, dtype, device="cpu", requires_grad=True):
+    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype).requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 7, 11, 16), (2, 2, 1, 9, 5, 16)])  # GQA, MQA; Sq > Skv masks rows
+def test_gradients_match_float64(causal, shape):
+    batch, hq, hkv, sq, skv, d = shape
+    q, k, v = leaf((batch, hq, sq, d), torch.float32), leaf((batch, hkv, skv, d), torch.float32), leaf(
+        (batch, hkv, skv, d), torch.float32)
+    check_gradients(q, k, v, causal)
+
+
+def test_gradients_for_a_subset_non_contiguous_inputs_and_no_grad():
+    # (batch, seq, heads, dim) leaves seen as (batch, heads, seq, dim): strided views; q wants no gradient
+    k_leaf, v_leaf = torch.randn(1, 9, 2, 16, requires_grad=True), torch.randn(1, 9, 2, 16, requires_grad=True)
+    q = torch.randn(1, 6, 4, 16).transpose(1, 2)
+    o = nt.attention(q, k_leaf.transpose(1, 2), v_leaf.transpose(1, 2), causal=True, scale=0.3)
+    do = torch.randn_like(o)
+    o.backward(do)
+    k64, v64 = (x.detach().double().requires_grad_() for x in (k_leaf, v_leaf))
+    reference_attention(q.double(), k64.transpose(1, 2), v64.transpose(1, 2), True, 0.3).backward(do.double())
+    for x, e in ((k_leaf, k64), (v_leaf, v64)):
+        assert (x.grad.double() - e.grad).abs().max().item() <= 2e-4
+    with torch.no_grad():
+        o = nt.attention(q, k_leaf.transpose(1, 2), v_leaf.transpose(1, 2))
+    assert not o.requires_grad
+    ref = reference_attention(q.double(), k64.detach().transpose(1, 2), v64.detach().transpose(1, 2), False, 0.25)
+    assert (o.double() - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradients_in_16_bit(dtype):
+    check_gradients(leaf((1, 2, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), causal=True)
+
+
+def test_grouped_query_attention_module_matches_sdpa():
+    torch.manual_seed(0)
+    layer = nt.GroupedQueryAttention(dim=32, heads=4, kv_heads=2, causal=True)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    y = layer(x)
+    y.square().sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad()
+    x2 = x.detach().requires_grad_()
+    b, s, _ = x2.shape
+    q = layer.q_proj(x2).view(b, s, 4, 8).transpose(1, 2)
+    k = layer.k_proj(x2).view(b, s, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    v = layer.v_proj(x2).view(b, s, 2, 8).transpose(1, 2).repeat_interleave(2, 1)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y2 = layer.out_proj(o.transpose(1, 2).reshape(b, s, 32))
+    y2.square().sum().backward()
+    torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-4)
+    for g, p in zip(grads, [*layer.parameters(), x2]):
+        torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        nt.GroupedQueryAttention(dim=30, heads=4, kv_heads=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_on_gpu(dtype):
+    q, k, v = (leaf(s, dtype, "cuda") for s in [(2, 8, 70, 64), (2, 2, 90, 64), (2, 2, 90, 64)])
+    check_gradients(q, k, v, causal=True)
