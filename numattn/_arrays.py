@@ -195,6 +195,23 @@ def wrap_host(storage, like, dtype):
     return array if isinstance(like, np.ndarray) else cuda.to_device(array)
 
 
+class _StorageInterface:
+    """A device buffer described through ``__cuda_array_interface__``."""
+
+    def __init__(self, ptr, shape, byte_strides, typestr):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "strides": tuple(byte_strides), "typestr": typestr, "data": (ptr, False), "version": 3,
+        }
+
+
+def numba_storage_view(ptr, shape, strides, dtype):
+    """A numba device array over the device buffer at ``ptr`` holding ``dtype`` elements (``strides`` in
+    elements), in the storage dtype kernels index (16-bit floats as uint16)."""
+    itemsize = storage_dtype(dtype).itemsize
+    typestr = "<f4" if dtype == "float32" else "<u2"
+    return cuda.as_cuda_array(_StorageInterface(ptr, shape, (s * itemsize for s in strides), typestr))
+
+
 def empty_device_like(x, shape, dtype, device):
     """Uninitialised device array of ``shape`` and ``dtype`` of the same library as ``x``."""
     if is_torch(x):

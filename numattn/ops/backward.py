@@ -3,22 +3,10 @@ forward's inputs, output and log-sum-exp, on the GPU or in the simulator."""
 
 import numpy as np
 
-from .._arrays import describe, host_storage, storage_dtype
+from .._arrays import describe, host_storage, numba_storage_view
 from .._cuda import SIMULATOR, cuda
 from ..kernels.attention_backward import THREADS, backward_kernels, rows_grid
 from ..kernels.launch import compiled
-
-
-class _CaiView:
-    """A torch CUDA tensor seen by numba as its storage (16-bit floats as uint16)."""
-
-    def __init__(self, t):
-        dtype = str(t.dtype).removeprefix("torch.")
-        itemsize = storage_dtype(dtype).itemsize
-        self.__cuda_array_interface__ = {
-            "shape": tuple(t.shape), "strides": tuple(s * itemsize for s in t.stride()),
-            "typestr": "<f4" if itemsize == 4 else "<u2", "data": (t.data_ptr(), False), "version": 3,
-        }
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal, scale):
@@ -50,7 +38,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
             compiled(kernel, None, 0, 0, "attention backward").launch_arrays(rows_grid(rows), THREADS, *args)
     else:
         stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-        qs, ks, vs, os_, dos = (cuda.as_cuda_array(_CaiView(x)) for x in (q, k, v, o, do))
+        qs, ks, vs, os_, dos = (numba_storage_view(x.data_ptr(), x.shape, x.stride(), dtype) for x in (q, k, v, o, do))
         dqs, dks, dvs, deltas, lses = (cuda.as_cuda_array(x) for x in (dq, dk, dv, delta, lse))
 
         def launch(kernel, rows, *args):

@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._arrays import describe, from_dlpack, host_storage, is_torch, storage_dtype, torch_current, wrap_host
+from .._arrays import (
+    describe,
+    from_dlpack,
+    host_storage,
+    is_torch,
+    numba_storage_view,
+    storage_dtype,
+    torch_current,
+    wrap_host,
+)
 from .._cuda import SIMULATOR, cuda
 from ..kernels import graph_ops
 from ..kernels.launch import compiled
@@ -57,17 +66,6 @@ def _pad4(shape):
     return (1,) * (4 - len(shape)) + tuple(shape)
 
 
-class _CaiView:
-    """A device buffer seen through ``__cuda_array_interface__`` with another element type (numba
-    reads fp16/bf16 storage as uint16)."""
-
-    def __init__(self, ptr, shape, strides, itemsize, typestr):
-        self.__cuda_array_interface__ = {
-            "shape": tuple(shape), "strides": tuple(s * itemsize for s in strides), "typestr": typestr,
-            "data": (ptr, False), "version": 3,
-        }
-
-
 class Runner:
     """Runs a ``Plan`` of ``graph`` on arrays like the caller's (torch, numpy, numba, CAI)."""
 
@@ -86,10 +84,8 @@ class Runner:
         if op.device is None or SIMULATOR:
             storage = host_storage(x, op).reshape(_pad4(op.shape))
             return storage if SIMULATOR else cuda.to_device(np.ascontiguousarray(storage), stream=self.stream)
-        typestr = "<u2" if op.dtype in ("float16", "bfloat16") else "<f4"
-        itemsize = storage_dtype(op.dtype).itemsize
         strides = (0,) * (4 - len(op.shape)) + tuple(op.strides)
-        return cuda.as_cuda_array(_CaiView(op.ptr, _pad4(op.shape), strides, itemsize, typestr))
+        return numba_storage_view(op.ptr, _pad4(op.shape), strides, op.dtype)
 
     def _empty(self, shape, dtype):
         shape = _pad4(shape)
@@ -119,10 +115,8 @@ class Runner:
             import torch
 
             result = torch.empty(dims, dtype=getattr(torch, self.dtype), device=like.device)
-            itemsize = storage_dtype(self.dtype).itemsize
             strides = (0,) * (4 - len(dims)) + tuple(result.stride())
-            typestr = "<f4" if self.dtype == "float32" else "<u2"
-            out = cuda.as_cuda_array(_CaiView(result.data_ptr(), _pad4(dims), strides, itemsize, typestr))
+            out = numba_storage_view(result.data_ptr(), _pad4(dims), strides, self.dtype)
             self._launch(graph_ops.narrow_kernel(self.dtype), out.size, wide, out)
             return result
         out = self._empty(dims, storage_dtype(self.dtype))
