@@ -252,3 +252,21 @@ def test_unfused_plan_on_gpu_with_torch(rng):
     (out,) = Runner(g, Plan("unfused"))(arrays)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.is_cuda
     np.testing.assert_allclose(to_float64(out), evaluate(g, exact)[0], atol=3e-2)
+
+
+def test_partial_fusion_runs_unfused_operations_around_the_fused_attention(tmp_path, monkeypatch, rng):
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    g = mi.new_kernel_graph()
+    X = g.new_input((2, 8, 16), mi.float16)
+    K = g.new_input((2, 16, 24), mi.float16)
+    V = g.new_input((2, 24, 16), mi.float16)
+    A = g.mul_scalar(g.matmul(g.rms_norm(X), K), 0.25)
+    E = g.exp(g.sub(A, g.reduction_max(A, 2)))
+    g.mark_output(g.mul_scalar(g.matmul(g.div(E, g.reduction(E, 2)), V), 2.0))
+    (match,) = find_attention(g)
+    assert match.subtracts_max and match.scale == 0.25 and g.nodes[match.q].op == "rms_norm"
+    opt = g.superoptimize()
+    assert opt.plan.kind == "fused"
+    arrays, exact = random_inputs(g, rng, None)
+    (out,) = opt(*arrays)
+    np.testing.assert_allclose(to_float64(out), evaluate(g, exact)[0], atol=5e-3)

@@ -9,7 +9,8 @@ part; its Q part is unknown (an exp of an exp is not supported). A row maximum
 has no field analogue: it becomes a random symmetric function of the row (fresh
 per trial), so that only graphs in which the maximum cancels, as it does in a
 max-subtracted softmax, agree with graphs that never compute it. sqrt is the
-fixed map ``x^((P+1)/4)`` (a square root of x or of -x), the same in every graph.
+fixed map ``x^((m+1)/4)`` in each part (P and Q are 3 mod 4: a square root of x
+or of -x), the same in every graph.
 """
 
 from fractions import Fraction
@@ -19,7 +20,7 @@ import numpy as np
 Q = 1048571
 P = 2 * Q + 1
 OMEGA = 4  # a square, hence of order Q in Z_P*
-UNKNOWN = -1  # a Q part that the field cannot follow (after exp, sqrt)
+UNKNOWN = -1  # a Q part that the field cannot follow (after exp)
 
 
 class FingerprintUnsupported(Exception):
@@ -127,11 +128,12 @@ class Field:
 
     def exp(self):
         if not self.q_known:
-            raise FingerprintUnsupported("exp of a value that itself went through exp or sqrt")
+            raise FingerprintUnsupported("exp of a value that itself went through exp")
         return self.unknown_q(_pow(OMEGA, self.q, P))
 
-    def sqrt(self):
-        return self.unknown_q(_pow(self.p, (P + 1) // 4, P))
+    def sqrt(self):  # P ≡ Q ≡ 3 (mod 4): x^((m+1)/4) is a square root of x or of -x in each part
+        q = _pow(self.q, (Q + 1) // 4, Q) if self.q_known else self.q
+        return Field(_pow(self.p, (P + 1) // 4, P), q)
 
     def matmul(self, o):
         p = _modmatmul(self.p, o.p, P)
