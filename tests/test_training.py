@@ -106,3 +106,23 @@ def test_grouped_query_attention_module_matches_sdpa():
 def test_gradients_on_gpu(dtype):
     q, k, v = (leaf(s, dtype, "cuda") for s in [(2, 8, 70, 64), (2, 2, 90, 64), (2, 2, 90, 64)])
     check_gradients(q, k, v, causal=True)
+
+
+def test_example_transformer_trains_like_the_sdpa_model():
+    """examples/gqa_transformer.py: two steps of the tiny model with numattn and with SDPA, same weights
+    and batches, give the same losses."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "gqa_transformer.py"
+    spec = importlib.util.spec_from_file_location("gqa_transformer", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    size = dict(num_tokens=16, max_seq_len=16, dim=32, depth=1, heads=4, kv_heads=2)
+    torch.manual_seed(0)
+    ours = example.GQATransformer(**size)
+    theirs = example.GQATransformer(**size, attention_class=example.SdpaGroupedQueryAttention)
+    theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
+    runs = [example.train(m, 2, 2, 6, 16, 1e-3, 0, torch.device("cpu"), torch.float32) for m in (ours, theirs)]
+    assert runs[0] == pytest.approx(runs[1], rel=1e-4)
