@@ -218,7 +218,7 @@ def test_tune_stores_a_configuration_that_attention_then_uses(tmp_path, monkeypa
     table = mi.tune(q, k, v, causal=True, scale=0.2)
     assert any(row["verified"] for row in table)
     problem = attention_module._validate(q, k, v, None, True, 0.2, "bhsd", False)
-    stored = cache.load(str(tmp_path / "superoptimize.json"), problem_key(problem))
+    stored = cache.load(str(tmp_path / "superoptimize.json"), problem_key("attention", problem))
     fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
     assert (repr(stored["config"]), stored["splits"]) == (fastest["config"], fastest["splits"])
     plan = attention_module._tuned_or_default_plan(problem)  # built from the stored configuration
@@ -270,3 +270,39 @@ def test_partial_fusion_runs_unfused_operations_around_the_fused_attention(tmp_p
     arrays, exact = random_inputs(g, rng, None)
     (out,) = opt(*arrays)
     np.testing.assert_allclose(to_float64(out), evaluate(g, exact)[0], atol=5e-3)
+
+
+def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
+    """numattn.tune(fn, ...) for the decode functions: the stored splits (and MLA configuration) are what
+    later calls plan with, and their results stay correct."""
+    from numattn.ops import decode as decode_module
+    from numattn.ops import mla as mla_module
+    from numattn.search.functional import tuned_config
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q = rng.uniform(-1, 1, (1, 4, 1, 16)).astype(np.float16)
+    k = rng.uniform(-1, 1, (1, 2, 128, 16)).astype(np.float16)
+    v = rng.uniform(-1, 1, (1, 2, 128, 16)).astype(np.float16)
+    table = mi.tune(mi.decode, q, k, v, scale=0.3)
+    assert {row["splits"] for row in table} == {1, 2, 4}  # 128 keys: runs of at least 32 and all(row["verified"] for row in table)
+    problem = decode_module._validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
+    fastest = min(table, key=lambda row: row["seconds"])
+    assert tuned_config("decode", problem) == (None, fastest["splits"])
+    np.testing.assert_allclose(mi.decode(q, k, v, scale=0.3).astype(np.float64),
+                               mi.reference.attention(q, k, v, scale=0.3), atol=2e-3)
+
+    q_nope, q_pe = rng.uniform(-1, 1, (2, 16, 64)).astype(np.float16), rng.uniform(-1, 1, (2, 16, 16)).astype(np.float16)
+    ckv, kpe = rng.uniform(-1, 1, (12, 8, 64)).astype(np.float16), rng.uniform(-1, 1, (12, 8, 16)).astype(np.float16)
+    pages = rng.permutation(12)[:10].reshape(2, 5).astype(np.int32)
+    lengths = np.array([37, 40], np.int32)
+    args = (q_nope, q_pe, ckv, kpe, pages, lengths)
+    table = mi.tune(mi.mla_decode, *args, scale=0.2)
+    assert any(row["verified"] for row in table)
+    problem = mla_module._validate(*args, 0.2, False)
+    fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
+    config, splits = tuned_config("mla_decode", problem)
+    assert (repr(config), splits) == (fastest["config"], fastest["splits"])
+    np.testing.assert_allclose(mi.mla_decode(*args, scale=0.2).astype(np.float64),
+                               mi.reference.mla_decode(*args, scale=0.2), atol=2e-3)
+    with pytest.raises(TypeError, match="tune takes numattn.attention"):
+        mi.tune(print, q)

@@ -586,7 +586,7 @@ def _tuned_or_default_plan(problem):
     """The plan with the configuration ``numattn.tune`` stored for this problem, else the heuristic's."""
     from ..search.functional import tuned_config
 
-    tuned = tuned_config(problem)
+    tuned = tuned_config("attention", problem)
     if tuned is not None:
         try:
             return _make_plan(problem, *tuned)

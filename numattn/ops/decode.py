@@ -502,6 +502,14 @@ class _HostPlan(_Plan):
         return wrap_host(result.copy_to_host(), q, p.dtype)
 
 
+def _tuned_splits(problem):
+    """The key splits ``numattn.tune`` stored for this problem, or None (the heuristic's)."""
+    from ..search.functional import tuned_config
+
+    tuned = tuned_config("decode", problem)
+    return None if tuned is None else tuned[1]
+
+
 def _make_plan(p, splits=None):
     ops = [a.op for a in (p.q, p.k, p.v, p.page_table, p.seqlens) if a is not None]
     if p.device is None or SIMULATOR:  # the simulator's device arrays are numpy arrays underneath
@@ -536,7 +544,8 @@ def _run(kind, validate, arrays, options, check):
         key = plan = None
     if plan is None:
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
-        plan = _make_plan(validate(*arrays, *options))
+        problem = validate(*arrays, *options)
+        plan = _make_plan(problem, _tuned_splits(problem))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
                 _PLANS.clear()

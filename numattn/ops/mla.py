@@ -261,7 +261,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         p = _validate(*arrays, scale, return_lse)
-        plan = _HostPlan(p) if p.device is None or SIMULATOR else _TorchPlan(p) if key is not None else None
+        plan = planned(p, *(_tuned(p) or (None, None))) if p.device is None or SIMULATOR or key is not None else None
         if plan is None:
             raise TypeError(f"mla_decode on a GPU takes torch tensors (or host arrays), got {type(q_nope).__name__} "
                             f"on {_where(p.device)}")
@@ -274,6 +274,19 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
         check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size",
                                 p.page_size, p.num_pages)
     return plan(*arrays)
+
+
+def planned(p, config=None, splits=None):
+    """The plan of problem ``p`` with ``config`` and ``splits`` (the heuristic's where None): host arrays
+    (and the simulator) or torch CUDA tensors."""
+    return _HostPlan(p, config, splits) if p.device is None or SIMULATOR else _TorchPlan(p, config, splits)
+
+
+def _tuned(p):
+    """``(config, splits)`` that ``numattn.tune`` stored for this problem, or None."""
+    from ..search.functional import tuned_config
+
+    return tuned_config("mla_decode", p)
 
 
 def _capturing_torch():

@@ -16,8 +16,9 @@ import warnings
 from ..kernels.attention_mma import MmaConfig
 from ..kernels.attention_simt import SimtConfig
 from ..kernels.attention_wgmma import WgmmaConfig
+from ..kernels.mla import MlaConfig
 
-_CONFIGS = {c.__name__: c for c in (MmaConfig, SimtConfig, WgmmaConfig)}
+_CONFIGS = {c.__name__: c for c in (MmaConfig, SimtConfig, WgmmaConfig, MlaConfig)}
 FILE_NAME = "superoptimize.json"
 
 

@@ -1,6 +1,11 @@
-"""Tuning the functional API: ``numattn.tune`` searches the tile configurations (and key splits) of
-``numattn.attention`` for one problem and stores the winner in the tuning cache, which
-``numattn.attention`` consults when it plans a call it has not seen."""
+"""Tuning the functional API.
+
+``numattn.tune`` searches the kernel configurations and key splits of one call of
+``numattn.attention``, ``decode``, ``paged_decode`` or ``mla_decode``, checks each
+candidate's output against the heuristic's, and stores the fastest in the tuning
+cache; those functions consult the cache (``tuned_config``) when they plan a call
+they have not seen, and fall back to their heuristic without an entry.
+"""
 
 import hashlib
 import os
@@ -17,28 +22,33 @@ from .tune import Progress
 
 SPLITS = (2, 4, 8, 16)
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
+_BANDWIDTH, _SMS, _LAUNCH_SECONDS = 3.0e12, 132, 5e-6  # the cost model's device (an H100)
 
 
-def problem_key(problem):
-    """Cache key of an attention problem: what picks and constrains its kernel (shapes, dtype, masking,
-    LSE, which loads its layout allows), the device and the numattn version."""
+def problem_key(kind, problem):
+    """Cache key of one problem of function ``kind``: what picks and constrains its kernels, the device
+    and the numattn version."""
     from .. import __version__
 
     p = problem
     device = device_limits(0 if p.device is None else p.device)
-    text = repr((
-        "attention", p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v, p.dtype,
-        p.causal, p.return_lse, p.vector_loads, p.transposed_k_loads, p.aligned_out, device["name"], device["cc"],
-        __version__,
-    ))
-    return "attention-" + hashlib.sha256(text.encode()).hexdigest()
+    if kind == "attention":
+        fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v, p.causal,
+                  p.vector_loads, p.transposed_k_loads, p.aligned_out)
+    elif kind == "decode":
+        fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.head_dim, p.head_dim_v, p.capacity, p.k.shape,
+                  p.page_table is not None, p.seqlens is not None, p.vector_loads)
+    else:  # mla_decode
+        fields = (p.batch, p.heads, p.rank, p.rope, p.page_size, p.max_pages)
+    text = repr((kind, *fields, p.dtype, p.return_lse, device["name"], device["cc"], __version__))
+    return f"{kind}-" + hashlib.sha256(text.encode()).hexdigest()
 
 
 _MEMO = {}  # path → (mtime, {key: (config, splits)}) of the cache file, read once per change
 
 
-def tuned_config(problem):
-    """``(config, splits)`` stored by ``tune`` for this problem, or None."""
+def tuned_config(kind, problem):
+    """``(config, splits)`` stored by ``tune`` for this problem of function ``kind``, or None."""
     path = cache.cache_path()
     try:
         mtime = os.stat(path).st_mtime_ns
@@ -47,44 +57,44 @@ def tuned_config(problem):
     memo = _MEMO.get(path)
     if memo is None or memo[0] != mtime:
         memo = _MEMO[path] = (mtime, {})
-    key = problem_key(problem)
+    key = problem_key(kind, problem)
     if key not in memo[1]:
         hit = cache.load(path, key)
         memo[1][key] = None if hit is None else (hit["config"], hit["splits"])
     return memo[1][key]
 
 
-def tune(q, k, v, *, causal=False, scale=None, layout="bhsd", warmup_iters=8, profile_iters=100, verbose=False):
-    """Time every tile configuration (and, for the ``mma.sync`` kernel, key splits) of
-    ``numattn.attention(q, k, v, causal=causal, scale=scale, layout=layout)``, check each
-    candidate's output against the heuristic's, and store the fastest in the tuning cache; later
-    calls with the same shapes, dtype and layout (in this or another process) use it.
+def tune(*args, warmup_iters=8, profile_iters=100, verbose=False, **kwargs):
+    """Tune one call: ``numattn.tune(q, k, v, **attention_kwargs)`` for ``numattn.attention``, or
+    ``numattn.tune(fn, *args, **kwargs)`` with ``fn`` one of ``numattn.attention``, ``decode``,
+    ``paged_decode``, ``mla_decode`` and the arguments of a call of it.
 
-    Returns the table: one dict per candidate with its configuration, splits, whether its output
-    matched, and its time (seconds; on a GPU CUDA-event medians of back-to-back calls, in the
-    simulator the cost model's estimate)."""
-    from ..ops.attention import _make_plan, _validate, from_dlpack, tile_candidates
-    from .pipeline import _device_id
-    from .tune import attention_seconds, time_seconds
-    from .verify import to_float64
+    Every configuration the kernels offer (tile configurations, key splits) runs once and is
+    checked against the heuristic's output, then timed (on a GPU, CUDA-event medians of
+    back-to-back calls; in the simulator, a cost model); the fastest is stored in the tuning cache,
+    where later calls of the same problem (shapes, dtype, options, layout class) find it, in this
+    process and later ones. Returns the table: per candidate its configuration, splits, whether its
+    output matched, and its time in seconds."""
+    from .. import ops
 
-    q, k, v = (from_dlpack(x) for x in (q, k, v))
-    problem = _validate(q, k, v, None, causal, scale, layout, False)
-    reference = to_float64(_make_plan(problem)(q, k, v, None))
-    candidates = []
-    for config in tile_candidates(problem):
-        candidates.append((config, 1))
-        if isinstance(config, MmaConfig):
-            tiles = -(-problem.seqlen_kv // config.block_n)
-            candidates += [(config, n) for n in SPLITS if 2 * n <= tiles]
-    device = None if SIMULATOR else _device_id()
+    fn = args[0] if args and callable(args[0]) else ops.attention.attention
+    call_args = args[1:] if args and callable(args[0]) else args
+    adapters = {
+        ops.attention.attention: _attention_candidates, ops.decode.decode: _decode_candidates,
+        ops.decode.paged_decode: _paged_candidates, ops.mla.mla_decode: _mla_candidates,
+    }
+    if fn not in adapters:
+        raise TypeError(f"tune takes numattn.attention, decode, paged_decode or mla_decode, got {fn!r}")
+    kind, problem, candidates, run = adapters[fn](*call_args, **kwargs)
+    reference = run(None, None)
+    device = None if SIMULATOR or problem.device is None else problem.device
     progress = Progress(len(candidates), verbose or sys.stderr.isatty())
     table, best = [], None
-    for config, splits in candidates:
+    for config, splits, model in candidates:
         row = {"config": repr(config), "splits": splits, "verified": False, "seconds": None, "note": ""}
         try:
-            plan = _make_plan(problem, config, splits)
-            error = np.max(np.abs(to_float64(plan(q, k, v, None)) - reference)) / max(np.max(np.abs(reference)), 1e-30)
+            output = run(config, splits)
+            error = _relative_difference(output, reference)
         except Exception as e:  # a configuration that fails to compile or launch is reported, not fatal
             row["note"] = f"failed: {type(e).__name__}: {e}"
         else:
@@ -92,19 +102,119 @@ def tune(q, k, v, *, causal=False, scale=None, layout="bhsd", warmup_iters=8, pr
             row["note"] = f"max rel. difference {error:.1e}"
         if row["verified"]:
             if device is None:
-                p = problem
-                dims = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim), (p.batch, p.heads_kv, p.head_dim, p.seqlen_kv),
-                        (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, p.head_dim_v))
-                itemsize = 4 if p.dtype == "float32" else 2
-                row["seconds"] = attention_seconds(*dims, itemsize, config, splits)
+                row["seconds"] = model
             else:
-                row["seconds"] = time_seconds(lambda args: plan(*args, None), [(q, k, v)], warmup_iters, profile_iters)
+                from .tune import time_seconds
+
+                row["seconds"] = time_seconds(lambda _: run(config, splits), [None], warmup_iters, profile_iters)
             if best is None or row["seconds"] < best[2]:
                 best = (config, splits, row["seconds"])
         table.append(row)
         progress.step(row["config"])
     if best is None:
-        raise RuntimeError("no tile configuration matched the heuristic's output")
-    winner = Plan("fused", (), best[0], "copy", best[1])
-    cache.store(cache.cache_path(), problem_key(problem), winner, table)
+        raise RuntimeError("no configuration matched the heuristic's output")
+    cache.store(cache.cache_path(), problem_key(kind, problem), Plan("fused", (), best[0], "copy", best[1]), table)
     return table
+
+
+def _relative_difference(output, reference):
+    from .verify import to_float64
+
+    got, want = to_float64(output), to_float64(reference)
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+# -- adapters: (kind, problem, [(config, splits, modelled seconds)], run(config, splits) → output) ----
+def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
+    from ..ops.attention import _make_plan, _validate, from_dlpack, tile_candidates
+    from .tune import attention_seconds
+
+    q, k, v = (from_dlpack(x) for x in (q, k, v))
+    p = _validate(q, k, v, None, causal, scale, layout, False)
+    dims = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim), (p.batch, p.heads_kv, p.head_dim, p.seqlen_kv),
+            (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, p.head_dim_v))
+    itemsize = 4 if p.dtype == "float32" else 2
+    candidates = []
+    for config in tile_candidates(p):
+        runs = [1] + [n for n in SPLITS if 2 * n <= -(-p.seqlen_kv // config.block_n)] if isinstance(
+            config, MmaConfig) else [1]
+        candidates += [(config, n, attention_seconds(*dims, itemsize, config, n)) for n in runs]
+
+    def run(config, splits):
+        return _make_plan(p, config, splits or 1)(q, k, v, None)
+
+    return "attention", p, candidates, run
+
+
+def _split_candidates(work, capacity, row_bytes, query_bytes):
+    """Key splits 1, 2, 4, … for ``work`` blocks over ``capacity`` keys, each with a modelled time:
+    whole waves over the SMs of blocks reading their share of the keys, plus the combine."""
+    out = []
+    for splits in (1, *SPLITS):
+        if splits > 1 and 2 * splits > -(-capacity // 16):
+            break
+        blocks = work * splits
+        waves = -(-blocks // _SMS)
+        seconds = waves * -(-capacity // splits) * row_bytes / (_BANDWIDTH / _SMS) + query_bytes / _BANDWIDTH
+        if splits > 1:
+            seconds += 2 * splits * query_bytes / _BANDWIDTH + _LAUNCH_SECONDS
+        out.append((None, splits, seconds + _LAUNCH_SECONDS))
+    return out
+
+
+def _decode_like(kind, arrays, options, validate):
+    from ..ops import decode as module
+
+    arrays = [module.from_dlpack(x) if x is not None else None for x in arrays]
+    p = validate(*arrays, *options)
+    itemsize = 4 if p.dtype == "float32" else 2
+    row_bytes = itemsize * (p.head_dim + p.head_dim_v)
+    candidates = _split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
+                                   itemsize * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v))
+
+    def run(config, splits):
+        return _first(module._make_plan(p, splits)(*arrays))
+
+    return kind, p, candidates, run
+
+
+def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
+    from ..ops import decode as module
+
+    return _decode_like("decode", (q, k_cache, v_cache, None, seqlens), (scale, layout, return_lse),
+                        module._validate_decode_args)
+
+
+def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+    from ..ops import decode as module
+
+    return _decode_like("decode", (q, k_pages, v_pages, page_table, seqlens), (scale, kv_layout, return_lse),
+                        module._validate_paged_args)
+
+
+def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
+    from ..kernels.mla import mla_candidates
+    from ..ops import mla as module
+
+    arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
+    p = module._validate(*arrays, scale, return_lse)
+    limits = device_limits(0 if p.device is None else p.device)
+    row_bytes = 2 * (p.rank + p.rope)
+    configs = mla_candidates(p.rank, p.rope, limits["cc"])
+    if SIMULATOR:  # the configurations that simulate in seconds
+        configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
+    candidates = []
+    for config in configs:
+        work = p.batch * -(-p.heads // config.heads_per_block)
+        for _, splits, seconds in _split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
+            candidates.append((config, splits, seconds))
+
+    def run(config, splits):
+        plan = module.planned(p, config, splits)
+        return _first(plan(*arrays))
+
+    return "mla_decode", p, candidates, run
