@@ -85,16 +85,16 @@ def tune(*args, warmup_iters=8, profile_iters=100, verbose=False, **kwargs):
     }
     if fn not in adapters:
         raise TypeError(f"tune takes numattn.attention, decode, paged_decode or mla_decode, got {fn!r}")
-    kind, problem, candidates, run = adapters[fn](*call_args, **kwargs)
-    reference = run(None, None)
+    kind, problem, candidates, make = adapters[fn](*call_args, **kwargs)
+    reference = make(None, None)()
     device = None if SIMULATOR or problem.device is None else problem.device
     progress = Progress(len(candidates), verbose or sys.stderr.isatty())
     table, best = [], None
     for config, splits, model in candidates:
         row = {"config": repr(config), "splits": splits, "verified": False, "seconds": None, "note": ""}
         try:
-            output = run(config, splits)
-            error = _relative_difference(output, reference)
+            run = make(config, splits)
+            error = _relative_difference(run(), reference)
         except Exception as e:  # a configuration that fails to compile or launch is reported, not fatal
             row["note"] = f"failed: {type(e).__name__}: {e}"
         else:
@@ -106,7 +106,7 @@ def tune(*args, warmup_iters=8, profile_iters=100, verbose=False, **kwargs):
             else:
                 from .tune import time_seconds
 
-                row["seconds"] = time_seconds(lambda _: run(config, splits), [None], warmup_iters, profile_iters)
+                row["seconds"] = time_seconds(lambda _: run(), [None], warmup_iters, profile_iters)
             if best is None or row["seconds"] < best[2]:
                 best = (config, splits, row["seconds"])
         table.append(row)
@@ -128,7 +128,7 @@ def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-# -- adapters: (kind, problem, [(config, splits, modelled seconds)], run(config, splits) → output) ----
+# -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call) ---
 def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
     from ..ops.attention import _make_plan, _validate, from_dlpack, tile_candidates
     from .tune import attention_seconds
@@ -144,10 +144,11 @@ def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
             config, MmaConfig) else [1]
         candidates += [(config, n, attention_seconds(*dims, itemsize, config, n)) for n in runs]
 
-    def run(config, splits):
-        return _make_plan(p, config, splits or 1)(q, k, v, None)
+    def make(config, splits):
+        plan = _make_plan(p, config, splits or 1)
+        return lambda: plan(q, k, v, None)
 
-    return "attention", p, candidates, run
+    return "attention", p, candidates, make
 
 
 def _split_candidates(work, capacity, row_bytes, query_bytes):
@@ -176,10 +177,11 @@ def _decode_like(kind, arrays, options, validate):
     candidates = _split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
                                    itemsize * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v))
 
-    def run(config, splits):
-        return _first(module._make_plan(p, splits)(*arrays))
+    def make(config, splits):
+        plan = module._make_plan(p, splits)
+        return lambda: _first(plan(*arrays))
 
-    return kind, p, candidates, run
+    return kind, p, candidates, make
 
 
 def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
@@ -213,8 +215,8 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
         for _, splits, seconds in _split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
             candidates.append((config, splits, seconds))
 
-    def run(config, splits):
+    def make(config, splits):
         plan = module.planned(p, config, splits)
-        return _first(plan(*arrays))
+        return lambda: _first(plan(*arrays))
 
-    return "mla_decode", p, candidates, run
+    return "mla_decode", p, candidates, make
