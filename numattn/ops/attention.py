@@ -515,6 +515,18 @@ def tile_candidates(problem):
     return configs
 
 
+KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the mma.sync kernel
+
+
+def split_options(problem, config):
+    """Key splits worth trying with ``config``: 1, and for the mma.sync kernel 2 to 16 while each run
+    keeps at least two key tiles."""
+    if not isinstance(config, MmaConfig):
+        return [1]
+    tiles = -(-problem.seqlen_kv // config.block_n)
+    return [1] + [n for n in KEY_SPLITS if 2 * n <= tiles]
+
+
 def planned(q, k, v, *, scale, config=None, splits=1):
     """``(plan, problem)`` computing ``attention(q, k, v, scale=scale)`` (4-D "bhsd" operands, no
     mask) with tile configuration ``config`` (the heuristic's when None) and ``splits`` runs of

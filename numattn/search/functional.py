@@ -14,13 +14,12 @@ import sys
 import numpy as np
 
 from .._cuda import SIMULATOR
-from ..kernels.attention_mma import MmaConfig
 from ..kernels.launch import device_limits
 from . import cache
 from .plans import Plan
 from .tune import Progress
 
-SPLITS = (2, 4, 8, 16)
+SPLITS = (2, 4, 8, 16)  # key splits tried for decode and mla_decode
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
 _BANDWIDTH, _SMS, _LAUNCH_SECONDS = 3.0e12, 132, 5e-6  # the cost model's device (an H100)
 
@@ -130,7 +129,7 @@ def _first(result):
 
 # -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call) ---
 def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
-    from ..ops.attention import _make_plan, _validate, from_dlpack, tile_candidates
+    from ..ops.attention import _make_plan, _validate, from_dlpack, split_options, tile_candidates
     from .tune import attention_seconds
 
     q, k, v = (from_dlpack(x) for x in (q, k, v))
@@ -140,9 +139,7 @@ def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
     itemsize = 4 if p.dtype == "float32" else 2
     candidates = []
     for config in tile_candidates(p):
-        runs = [1] + [n for n in SPLITS if 2 * n <= -(-p.seqlen_kv // config.block_n)] if isinstance(
-            config, MmaConfig) else [1]
-        candidates += [(config, n, attention_seconds(*dims, itemsize, config, n)) for n in runs]
+        candidates += [(config, n, attention_seconds(*dims, itemsize, config, n)) for n in split_options(p, config)]
 
     def make(config, splits):
         plan = _make_plan(p, config, splits or 1)

@@ -8,9 +8,8 @@ import numpy as np
 from .. import __version__
 from .._arrays import describe, from_dlpack
 from .._cuda import SIMULATOR
-from ..kernels.attention_mma import MmaConfig
 from ..kernels.launch import device_limits
-from ..ops.attention import _validate, tile_candidates
+from ..ops.attention import _validate, split_options, tile_candidates
 from . import cache
 from .graph import KernelGraph
 from .match import find_attention
@@ -19,7 +18,6 @@ from .tune import Progress, model_seconds, time_seconds
 from .verify import fingerprint_check, numeric_check
 
 CONFIGS = ("attention",)
-SPLITS = (2, 4, 8, 16)  # key splits offered with the mma.sync kernel
 MAX_TRIED = 4  # candidates verified and timed, in the cost model's order
 PRUNE_RATIO = 3.0  # untried: modelled slower than this times the best modelled candidate
 
@@ -67,11 +65,8 @@ def candidates(graph, sample):
         if layout == "copy":
             k = k.contiguous() if hasattr(k, "contiguous") else np.ascontiguousarray(k)
         problem = _validate(views[0], k, views[2], None, False, m.scale, "bhsd", False)
-        for config in tile_candidates(problem):
-            plans.append(Plan("fused", matches, config, layout))
-            if isinstance(config, MmaConfig):  # runs of keys in parallel, for grids short of query blocks
-                tiles = -(-problem.seqlen_kv // config.block_n)
-                plans += [Plan("fused", matches, config, layout, n) for n in SPLITS if 2 * n <= tiles]
+        for config in tile_candidates(problem):  # key splits: runs of keys in parallel, for short grids
+            plans += [Plan("fused", matches, config, layout, n) for n in split_options(problem, config)]
     return plans
 
 
