@@ -43,35 +43,28 @@ def grid(n):
 
 
 @functools.lru_cache(maxsize=None)
+def _convert_kernel(convert):
+    """``kernel(src, dst)``: ``dst = convert(src)`` elementwise (a copy when ``convert`` is None)."""
+
+    @cuda.jit
+    def kernel(src, dst):
+        i = cuda.grid(1)
+        if i < dst.size:
+            i0, i1, i2, i3 = _unravel_gpu(i, dst.shape)
+            x = src[i0, i1, i2, i3]
+            dst[i0, i1, i2, i3] = convert(x) if convert is not None else x
+
+    return kernel
+
+
 def widen_kernel(dtype):
     """``kernel(src, dst)``: ``dst`` (float32) = ``src`` (storage of ``dtype``, any strides)."""
-    widen = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype)
-
-    @cuda.jit
-    def kernel(src, dst):
-        i = cuda.grid(1)
-        if i < dst.size:
-            i0, i1, i2, i3 = _unravel_gpu(i, dst.shape)
-            x = src[i0, i1, i2, i3]
-            dst[i0, i1, i2, i3] = widen(x) if widen is not None else x
-
-    return kernel
+    return _convert_kernel({"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype))
 
 
-@functools.lru_cache(maxsize=None)
 def narrow_kernel(dtype):
     """``kernel(src, dst)``: ``dst`` (storage of ``dtype``) = ``src`` (float32), rounded to nearest."""
-    narrow = {"float16": cvt_rn_f16_f32, "bfloat16": cvt_rn_bf16_f32}.get(dtype)
-
-    @cuda.jit
-    def kernel(src, dst):
-        i = cuda.grid(1)
-        if i < dst.size:
-            i0, i1, i2, i3 = _unravel_gpu(i, dst.shape)
-            x = src[i0, i1, i2, i3]
-            dst[i0, i1, i2, i3] = narrow(x) if narrow is not None else x
-
-    return kernel
+    return _convert_kernel({"float16": cvt_rn_f16_f32, "bfloat16": cvt_rn_bf16_f32}.get(dtype))
 
 
 def _exp(x, _):

@@ -30,7 +30,7 @@ from numba import float32, int32, uint16
 
 from .._cuda import cuda
 from .mla_wgmma import HEADS_PER_BLOCK, mla_wgmma_kernel, mla_wgmma_shared_bytes
-from .online_softmax import softmax_steps
+from .online_softmax import quad_sum, softmax_steps
 from .ptx import (
     cp_async_16,
     cp_async_commit,
@@ -41,7 +41,6 @@ from .ptx import (
     mma_m16n8k16_f16,
     pack_bf16x2,
     pack_f16x2,
-    shfl_xor_f32,
 )
 from .tiles import NARROW, swizzled_rows, tile_col, tile_row_elems, tile_view
 
@@ -341,9 +340,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
 
         # every warp holds the same row statistics: full sums over the lane quad, then its own columns
         for half in range(2):
-            l_sum = l_i[half]
-            l_sum += shfl_xor_f32(l_sum, 1)
-            l_sum += shfl_xor_f32(l_sum, 2)
+            l_sum = quad_sum(l_i[half])
             h = head0 + g + 8 * half
             if h < heads:
                 inv = np.float32(1.0) / l_sum if l_sum > _ZERO else _ZERO

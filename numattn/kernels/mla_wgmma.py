@@ -37,7 +37,7 @@ import numpy as np
 from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .online_softmax import p_fragments, softmax_steps
+from .online_softmax import p_fragments, quad_sum, softmax_steps
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -53,7 +53,6 @@ from .ptx import (
     mbarrier_try_wait,
     pack_bf16x2,
     pack_f16x2,
-    shfl_xor_f32,
     st_shared_b32,
     wgmma_commit,
     wgmma_fence,
@@ -368,10 +367,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
         l_row = cuda.local.array(2, float32)
         m_row = cuda.local.array(2, float32)
         for half in range(2):
-            l_sum = l_i[half]
-            l_sum += shfl_xor_f32(l_sum, 1)
-            l_sum += shfl_xor_f32(l_sum, 2)
-            l_row[half], m_row[half] = l_sum, m_i[half]
+            l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
         if SHARED:
             if group == 0 and t == 0:
                 for half in range(2):

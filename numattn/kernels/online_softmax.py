@@ -27,6 +27,14 @@ _ONE = np.float32(1.0)
 RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move
 
 
+@cuda.jit(device=True, inline="always")
+def quad_sum(x):
+    """The sum of ``x`` over the four lanes of an mma lane group (lanes 4g .. 4g + 3): a row's total
+    when each lane holds a partial sum of its columns."""
+    x += shfl_xor_f32(x, 1)
+    return x + shfl_xor_f32(x, 2)
+
+
 @functools.lru_cache(maxsize=None)
 def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
     """Device functions ``(init, scale_and_mask, update, rescale, normalize, store)`` for one tile shape.
@@ -135,9 +143,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
         for mt in range(WARP_M):
             for half in range(2):
                 r = 2 * mt + half
-                l_sum = l_i[r]
-                l_sum += shfl_xor_f32(l_sum, 1)
-                l_sum += shfl_xor_f32(l_sum, 2)
+                l_sum = quad_sum(l_i[r])
                 inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
                 for dt in range(DTILES):
                     acc[mt, dt, 2 * half] *= inv_l
@@ -173,9 +179,7 @@ def partial_store(warp_m, dtiles):
         for mt in range(WARP_M):
             for half in range(2):
                 r = 2 * mt + half
-                l_sum = l_i[r]
-                l_sum += shfl_xor_f32(l_sum, 1)
-                l_sum += shfl_xor_f32(l_sum, 2)
+                l_sum = quad_sum(l_i[r])
                 inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
                 row = row0 + 16 * mt + g + 8 * half
                 if row < seqlen_q:

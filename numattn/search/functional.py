@@ -17,11 +17,9 @@ from .._cuda import SIMULATOR
 from ..kernels.launch import device_limits
 from . import cache
 from .plans import Plan
-from .tune import Progress
+from .tune import Progress, split_candidates
 
-SPLITS = (2, 4, 8, 16)  # key splits tried for decode and mla_decode
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
-_BANDWIDTH, _SMS, _LAUNCH_SECONDS = 3.0e12, 132, 5e-6  # the cost model's device (an H100)
 
 
 def problem_key(kind, problem):
@@ -148,22 +146,6 @@ def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd"):
     return "attention", p, candidates, make
 
 
-def _split_candidates(work, capacity, row_bytes, query_bytes):
-    """Key splits 1, 2, 4, … for ``work`` blocks over ``capacity`` keys, each with a modelled time:
-    whole waves over the SMs of blocks reading their share of the keys, plus the combine."""
-    out = []
-    for splits in (1, *SPLITS):
-        if splits > 1 and 2 * splits > -(-capacity // 16):
-            break
-        blocks = work * splits
-        waves = -(-blocks // _SMS)
-        seconds = waves * -(-capacity // splits) * row_bytes / (_BANDWIDTH / _SMS) + query_bytes / _BANDWIDTH
-        if splits > 1:
-            seconds += 2 * splits * query_bytes / _BANDWIDTH + _LAUNCH_SECONDS
-        out.append((None, splits, seconds + _LAUNCH_SECONDS))
-    return out
-
-
 def _decode_like(kind, arrays, options, validate):
     from ..ops import decode as module
 
@@ -171,7 +153,7 @@ def _decode_like(kind, arrays, options, validate):
     p = validate(*arrays, *options)
     itemsize = 4 if p.dtype == "float32" else 2
     row_bytes = itemsize * (p.head_dim + p.head_dim_v)
-    candidates = _split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
+    candidates = split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
                                    itemsize * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v))
 
     def make(config, splits):
@@ -209,7 +191,7 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
     candidates = []
     for config in configs:
         work = p.batch * -(-p.heads // config.heads_per_block)
-        for _, splits, seconds in _split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
+        for _, splits, seconds in split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
             candidates.append((config, splits, seconds))
 
     def make(config, splits):

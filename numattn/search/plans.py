@@ -133,11 +133,12 @@ class Runner:
 
     # -- execution ----------------------------------------------------------------------------
     def entry(self, arrays, signature):
-        """The cheapest callable for arrays with this ``torch_signature``: a closure that only makes
-        views and launches, when the plan is one fused attention over graph inputs; else ``self``."""
+        """The cheapest callable ``run(arrays, pointers)`` for arrays with this ``torch_signature``: a
+        closure that only makes views and launches, when the plan is one fused attention over graph
+        inputs; else the general interpreter."""
         if signature not in self._entries:
             self._entries[signature] = self._fast_closure(arrays)
-        return self._entries[signature] or self
+        return self._entries[signature] or self._interpret
 
     def _fast_closure(self, arrays):
         results, nodes = self.graph.results(), self.graph.nodes
@@ -183,12 +184,14 @@ class Runner:
 
         return run
 
-    def __call__(self, inputs, pointers=None):
+    def __call__(self, inputs):
         signature, pointers = torch_signature(inputs)
-        if signature is not None:
-            run = self.entry(inputs, signature)
-            if run is not self:
-                return run(inputs, pointers)
+        if signature is None:
+            return self._interpret(inputs)
+        return self.entry(inputs, signature)(inputs, pointers)
+
+    def _interpret(self, inputs, pointers=None):
+        """The general path: every node in order (``pointers``, of the fast path's call form, unused)."""
         inputs = [from_dlpack(x) for x in inputs]
         like = inputs[0]
         self.host = SIMULATOR  # numpy arrays throughout; on a GPU, host inputs are copied in and out

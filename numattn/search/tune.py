@@ -27,6 +27,24 @@ def attention_seconds(q, k, v, out, itemsize, config, splits):
     return seconds
 
 
+def split_candidates(work, capacity, row_bytes, query_bytes):
+    """``[(None, splits, modelled seconds)]`` for key splits 1, 2, 4, … of a decode over ``work`` blocks
+    and ``capacity`` keys (at least 32 keys per split): whole waves over the SMs of blocks reading
+    their share of the keys, plus the combine."""
+    from ..ops.attention import KEY_SPLITS
+
+    out = []
+    for splits in (1, *KEY_SPLITS):
+        if splits > 1 and 2 * splits > -(-capacity // 16):
+            break
+        waves = -(-work * splits // _SMS)
+        seconds = waves * -(-capacity // splits) * row_bytes / (_BANDWIDTH / _SMS) + query_bytes / _BANDWIDTH
+        if splits > 1:
+            seconds += 2 * splits * query_bytes / _BANDWIDTH + _LAUNCH_SECONDS
+        out.append((None, splits, seconds + _LAUNCH_SECONDS))
+    return out
+
+
 def model_seconds(graph, plan):
     """Estimated seconds of ``plan``: per kernel, bytes over bandwidth or FLOPs over the kernel's
     rate, whichever is larger, plus a launch cost (``attention_seconds`` for fused attention)."""
