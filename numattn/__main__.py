@@ -76,6 +76,7 @@ def main(argv=None):
     p_bench.add_argument("--decode", action="store_true", help="also the decode targets (decode, paged_decode)")
     p_bench.add_argument("--mla", action="store_true", help="also mla_decode in FlashInfer's metric, with the copy rate")
     p_bench.add_argument("--graph", action="store_true", help="also the superoptimized Mirage GQA graph (W6)")
+    p_bench.add_argument("--training", action="store_true", help="also forward + backward (W8)")
     p_bench.set_defaults(func=bench)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -346,6 +346,53 @@ def print_attention_table(rows, peak=None):
         print(f"{shape:>18} {row['dtype']:>8} {str(row['causal']):>6} " + " ".join(cells) + fraction)
 
 
+TRAINING_SHAPES = [(4, 32, 4096, 128), (4, 32, 4096, 64)]  # W8 and its D = 64 twin
+
+
+def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, True)):
+    """Rows of {shape, dtype, causal, <impl>_ms, <impl>_tflops} for forward + backward (one
+    ``o.backward(do)`` after the forward, gradients of q, k, v) with numattn.torch.attention and the
+    SDPA backends; TFLOP/s count the backward as 2.5 forwards. ``numattn_fwd_ms`` times the forward
+    alone (with the log-sum-exp the backward needs)."""
+    torch = _torch()
+    import numattn
+    import numattn.torch as nt
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    rows = []
+    for batch, heads, seqlen, head_dim in shapes:
+        for causal in causals:
+            tdtype = getattr(torch, dtype)
+            q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=tdtype, requires_grad=True)
+                       for _ in range(3))
+            do = torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=tdtype)
+            flops = 3.5 * attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal)
+            row = {"shape": (batch, heads, seqlen, head_dim), "dtype": dtype, "causal": causal}
+
+            def step(forward):
+                q.grad = k.grad = v.grad = None
+                forward(q, k, v).backward(do)
+
+            impls = {"numattn": lambda: step(lambda q, k, v: nt.attention(q, k, v, causal=causal))}
+            for name, backend in _sdpa_backends(torch).items():
+                impls[name] = lambda backend=backend: step(
+                    lambda q, k, v: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal))
+            for name, fn in impls.items():
+                try:
+                    ms = cuda_time_ms(fn, repeat=10)
+                except RuntimeError as exc:  # an SDPA backend that does not support this case
+                    row[f"{name}_ms"] = None
+                    row[f"{name}_error"] = str(exc).splitlines()[0][:80]
+                    continue
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = flops / ms / 1e9
+            row["numattn_fwd_ms"] = cuda_time_ms(
+                lambda: numattn.attention(q.detach(), k.detach(), v.detach(), causal=causal, return_lse=True), repeat=10)
+            rows.append(row)
+    return rows
+
+
 def mirage_gqa_graph(b):
     """Mirage's GQA benchmark graph for batch parameter ``b``: Q (2b, 256, 64), K (2b, 64, 4096),
     V (2b, 4096, 64), fp16, softmax without a scale or a max."""
@@ -454,6 +501,12 @@ def main(args):
         for row in results["mla"]:
             cell = f"{row['us']:9.1f} µs {row['gbs']:6.0f} GB/s" if "us" in row else row["error"]
             print(f"  B,H,L {str(row['shape']):18} {row['config']:72} {cell}")
+    if args.training:
+        results["training"] = bench_training()
+        print("W8, forward + backward (TFLOP/s count the backward as 2.5 forwards):")
+        print_attention_table(results["training"])
+        for row in results["training"]:
+            print(f"  {row['shape']} causal={row['causal']}: numattn forward alone {row['numattn_fwd_ms']:.3f} ms")
     if args.graph:
         results["graph"] = bench_graph()
         print("W6, Mirage GQA graph (µs per call, 1000 back-to-back calls; search seconds):")

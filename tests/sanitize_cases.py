@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 1 python tests/sanitize_cases.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_cases.py
 
-(``python tests/sanitize_cases.py mla``: the MLA decode cases alone.)
+(``python tests/sanitize_cases.py mla``: the MLA decode cases alone; ``split``: the key-split and
+transposed-K variants of the ``mma.sync`` kernel alone.)
 
 (``--report-api-errors no``: cuda-bindings probes driver entry points with ``cuGetProcAddress``,
 whose expected failures memcheck would count as errors.)
@@ -66,6 +67,28 @@ def run_mla_cases(rng):
         assert err < 2e-2
 
 
+def run_split_cases(rng):
+    """The ``mma.sync`` kernel over runs of keys merged by the combine kernel, K stored as rows of keys or
+    transposed (keys contiguous, the last run of 8 keys partial)."""
+    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.ops.attention import _make_plan, _validate
+
+    for causal in (False, True):
+        for transposed in (False, True):
+            q = torch.from_numpy(rng.standard_normal((2, 4, 150, 64), dtype=np.float32)).to("cuda", torch.float16)
+            shape = (2, 2, 64, 424) if transposed else (2, 2, 420, 64)
+            k = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", torch.float16)
+            k = k.transpose(2, 3)[:, :, :419] if transposed else k[:, :, :419]
+            v = torch.from_numpy(rng.standard_normal((2, 2, 419, 64), dtype=np.float32)).to("cuda", torch.float16)
+            for splits in (1, 3):
+                problem = _validate(q, k, v, None, causal, 0.125, "bhsd", True)
+                o, lse = _make_plan(problem, MmaConfig(64, 4, 1, True), splits)(q, k, v, None)
+                ref = reference.attention(q, k, v, causal=causal, scale=0.125)
+                err = np.abs(o.double().cpu().numpy() - ref).max()
+                print(f"mma causal={causal} transposed K={transposed} splits={splits}: max err {err:.2e}")
+                assert err < 2e-2
+
+
 def run_decode_cases(rng):
     from numattn.bench import paged_copy
 
@@ -89,8 +112,9 @@ if __name__ == "__main__":
     import sys
 
     rng = np.random.default_rng()
-    if sys.argv[1:] == ["mla"]:  # only the MLA cases
-        run_mla_cases(rng)
+    only = {"mla": run_mla_cases, "split": run_split_cases}
+    if sys.argv[1:2] and sys.argv[1] in only:
+        only[sys.argv[1]](rng)
         sys.exit()
     for dtype, causal, b, hq, hkv, sq, skv, d, dv, misaligned in CASES:
         tdtype = getattr(torch, dtype)
@@ -102,5 +126,6 @@ if __name__ == "__main__":
         err = np.abs(o.double().cpu().numpy() - reference.attention(q, k, v, causal=causal)).max()
         print(f"{dtype} causal={causal} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}: max err {err:.2e}")
         assert err < 2e-2
+    run_split_cases(rng)
     run_decode_cases(rng)
     run_mla_cases(rng)

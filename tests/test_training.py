@@ -73,6 +73,32 @@ def test_gradients_for_a_subset_non_contiguous_inputs_and_no_grad():
     assert (o.double() - ref).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype, causal, seqlens", [
+    (torch.float16, False, (37, 45)), (torch.bfloat16, True, (37, 45)), (torch.float16, True, (45, 21))])
+def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
+    """The tensor-core backward (16-row query tiles, 16-key blocks in the simulator): several query tiles
+    per head of a GQA group, partial tiles at both sequence ends, head_dim_v < head_dim, and (causal with
+    more queries than keys) rows that see no key."""
+    from numattn.ops.backward import backward_config
+
+    assert backward_config(str(dtype).removeprefix("torch."), 32, 16) is not None
+    sq, skv = seqlens
+    q, k, v = leaf((1, 4, sq, 32), dtype), leaf((1, 2, skv, 32), dtype), leaf((1, 2, skv, 16), dtype)
+    check_gradients(q, k, v, causal)
+
+
+def test_warpgroup_gradients():
+    """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
+    two query tiles, two key blocks, causal with partial tiles."""
+    from numattn.kernels.attention_backward_wgmma import BackwardWgmmaConfig
+    from numattn.ops.backward import backward_config
+
+    assert isinstance(backward_config("bfloat16", 64, 64), BackwardWgmmaConfig)
+    q, k, v = leaf((1, 2, 70, 64), torch.bfloat16), leaf((1, 1, 100, 64), torch.bfloat16), leaf((1, 1, 100, 64),
+                                                                                                torch.bfloat16)
+    check_gradients(q, k, v, causal=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gradients_in_16_bit(dtype):
     check_gradients(leaf((1, 2, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), causal=True)
@@ -102,10 +128,14 @@ def test_grouped_query_attention_module_matches_sdpa():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_on_gpu(dtype):
-    q, k, v = (leaf(s, dtype, "cuda") for s in [(2, 8, 70, 64), (2, 2, 90, 64), (2, 2, 90, 64)])
-    check_gradients(q, k, v, causal=True)
+@pytest.mark.parametrize("dtype, head_dim, causal", [
+    (torch.float32, 64, True),  # CUDA cores
+    (torch.bfloat16, 64, True), (torch.float16, 128, False),  # wgmma on sm_90, mma.sync elsewhere
+    (torch.bfloat16, 96, True),  # mma.sync
+])
+def test_gradients_on_gpu(dtype, head_dim, causal):
+    q, k, v = (leaf(s, dtype, "cuda") for s in [(2, 8, 170, head_dim), (2, 2, 290, head_dim), (2, 2, 290, head_dim)])
+    check_gradients(q, k, v, causal)
 
 
 def test_example_transformer_trains_like_the_sdpa_model():

@@ -6,13 +6,14 @@ and ``delta_i = Σ_d dO[i, d] O[i, d]``:
     dV_j = Σ_i P_ij dO_i          dS_ij = P_ij (dO_i · V_j - delta_i)
     dK_j = scale Σ_i dS_ij Q_i    dQ_i = scale Σ_j dS_ij K_j
 
-Three kernels: ``delta`` (one thread per query row), ``dq`` (one thread per
-query row, looping over its visible keys) and ``dkdv`` (one thread per key row
-of a key/value head, looping over every query row of every query head in its
-group, so that a KV head's gradients sum its group without atomics).
-Arrays are 4-D (batch, heads, seq, dim) with any strides, in the storage
-dtype (16-bit floats as uint16); gradients and delta are float32. Causal masking
-is bottom-right: key j is visible to query i when ``j <= i + Skv - Sq``.
+Three kernels: ``rows`` (``ROW_THREADS`` threads per query row: delta, and the log-sum-exp
+in the log2 domain, ``lse2``, for this and the tensor-core backward), ``dq``
+(one thread per query row, looping over its visible keys) and ``dkdv`` (one
+thread per key row of a key/value head, looping over every query row of every
+query head in its group, so that a KV head's gradients sum its group without
+atomics). Arrays are 4-D (batch, heads, seq, dim) with any strides, in the
+storage dtype (16-bit floats as uint16); gradients, delta and lse2 are float32.
+Causal masking is bottom-right: key j is visible to query i when ``j <= i + Skv - Sq``.
 """
 
 import functools
@@ -21,14 +22,17 @@ import math
 from numba import float32
 
 from .._cuda import cuda
-from .ptx import cvt_f32_bf16, cvt_f32_f16
+from .ptx import cvt_f32_bf16, cvt_f32_f16, shfl_xor_f32
+
+LOG2E = 1.0 / math.log(2.0)
 
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(dtype, head_dim, head_dim_v, causal):
-    """``(delta, dq, dkdv)`` kernels; launch each with one thread per row (``rows_grid``):
-    ``delta(o, do, delta)``, ``dq(q, k, v, do, lse, delta, dq, scale)``,
-    ``dkdv(q, k, v, do, lse, delta, dk, dv, scale)``; ``lse`` natural log [B, Hq, Sq]."""
+    """``(rows, dq, dkdv)`` kernels; launch each with one thread per row (``rows_grid``; ``ROW_THREADS``
+    per row for ``rows``): ``rows(o, do, lse, delta, lse2)`` over ``delta``'s rows, ``dq(q, k, v, do, lse2, delta, dq, scale)``,
+    ``dkdv(q, k, v, do, lse2, delta, dk, dv, scale)``. ``lse`` is the forward's (natural log,
+    ``[B, Hq, Sq]``); ``delta`` and ``lse2`` are ``[B, Hq, Sq′]``, ``Sq′ ≥ Sq``, rows past ``Sq`` set to 0."""
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     widen = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype)
 
@@ -44,15 +48,24 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
         return total
 
     @cuda.jit
-    def delta_kernel(o, do, delta):
-        row = cuda.grid(1)
-        heads, seqlen_q = o.shape[1], o.shape[2]
-        if row < o.shape[0] * heads * seqlen_q:
-            b, h, i = row // (heads * seqlen_q), (row // seqlen_q) % heads, row % seqlen_q
-            delta[b, h, i] = dot(o, b, h, i, do, b, h, i, DV)
+    def rows_kernel(o, do, lse, delta, lse2):
+        # ROW_THREADS neighbouring threads share a row, reading neighbouring elements (coalesced)
+        row, part = cuda.grid(1) // ROW_THREADS, cuda.grid(1) % ROW_THREADS
+        heads, rows = delta.shape[1], delta.shape[2]
+        b, h, i = row // (heads * rows), (row // rows) % heads, row % rows
+        inside = row < delta.shape[0] * heads * rows and i < o.shape[2]
+        total = float32(0.0)
+        if inside:
+            for d in range(part, DV, ROW_THREADS):
+                total += at(o, b, h, i, d) * at(do, b, h, i, d)
+        for lanes in (1, 2, 4):  # every lane of the warp takes part
+            total += shfl_xor_f32(total, lanes)
+        if part == 0 and row < delta.shape[0] * heads * rows:
+            delta[b, h, i] = total
+            lse2[b, h, i] = lse[b, h, i] * LOG2E if inside else 0.0
 
     @cuda.jit
-    def dq_kernel(q, k, v, do, lse, delta, dq, scale):
+    def dq_kernel(q, k, v, do, lse2, delta, dq, scale):
         row = cuda.grid(1)
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         if row < q.shape[0] * heads * seqlen_q:
@@ -63,7 +76,7 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
                 acc[d] = 0.0
             end = min(seqlen_kv, i + seqlen_kv - seqlen_q + 1) if CAUSAL else seqlen_kv
             for j in range(end):
-                p = math.exp(scale * dot(q, b, h, i, k, b, h_kv, j, D) - lse[b, h, i])
+                p = math.exp2(scale * LOG2E * dot(q, b, h, i, k, b, h_kv, j, D) - lse2[b, h, i])
                 ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
                 for d in range(D):
                     acc[d] += ds * at(k, b, h_kv, j, d)
@@ -71,7 +84,7 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
                 dq[b, h, i, d] = acc[d] * scale
 
     @cuda.jit
-    def dkdv_kernel(q, k, v, do, lse, delta, dk, dv, scale):
+    def dkdv_kernel(q, k, v, do, lse2, delta, dk, dv, scale):
         row = cuda.grid(1)
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         if row < k.shape[0] * heads_kv * seqlen_kv:
@@ -86,7 +99,7 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
             first = max(0, j - (seqlen_kv - seqlen_q)) if CAUSAL else 0
             for h in range(h_kv * group, (h_kv + 1) * group):
                 for i in range(first, seqlen_q):
-                    p = math.exp(scale * dot(q, b, h, i, k, b, h_kv, j, D) - lse[b, h, i])
+                    p = math.exp2(scale * LOG2E * dot(q, b, h, i, k, b, h_kv, j, D) - lse2[b, h, i])
                     for d in range(DV):
                         dv_acc[d] += p * at(do, b, h, i, d)
                     ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
@@ -97,12 +110,13 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
             for d in range(DV):
                 dv[b, h_kv, j, d] = dv_acc[d]
 
-    return delta_kernel, dq_kernel, dkdv_kernel
+    return rows_kernel, dq_kernel, dkdv_kernel
 
 
 THREADS = 128
+ROW_THREADS = 8  # threads per row of the rows kernel
 
 
-def rows_grid(rows):
-    """Blocks of ``THREADS`` threads covering ``rows`` rows."""
-    return max(1, -(-rows // THREADS))
+def rows_grid(rows, threads_per_row=1):
+    """Blocks of ``THREADS`` threads covering ``rows`` rows of ``threads_per_row`` threads each."""
+    return max(1, -(-rows * threads_per_row // THREADS))

@@ -25,6 +25,7 @@ if not SIMULATOR:
     from cuda.bindings import driver as _driver
 
     _SUCCESS = _driver.CUresult.CUDA_SUCCESS
+    _INVALID_CONTEXT = _driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 
@@ -90,6 +91,7 @@ class CompiledKernel:
             kernel = dispatcher.compile(tuple(argtypes))
             kernel.bind()
             cufunc = kernel._codelibrary.get_cufunc()
+            self.context = _check(_driver.cuCtxGetCurrent())[0]
         self.device_id = device_id
         self.label = label
         self.attributes = cufunc.attrs  # regs, shared (static), local (spills), const, maxthreads
@@ -151,6 +153,9 @@ class PreparedLaunch:
             for slot, ptr in zip(self._pointer_slots, pointers):
                 slots[slot] = ptr
             err = self._launch(stream, self._params, 0)[0]
+            if err == _INVALID_CONTEXT:  # a thread with no current context (torch's autograd threads)
+                _check(_driver.cuCtxSetCurrent(self.kernel.context))
+                err = self._launch(stream, self._params, 0)[0]
         if err != _SUCCESS:
             _check((err,))
 

@@ -686,6 +686,75 @@ _bind(f32_from_bits, _ir_intrinsic(lambda builder, x: builder.bitcast(x, _f32), 
 
 
 # --------------------------------------------------------------------------
+# Bulk asynchronous reductions from shared into global memory (sm_90)
+# --------------------------------------------------------------------------
+
+_reduction_lock = threading.Lock()
+
+
+def bulk_reduce_add_f32(dst, index, src, offset, nbytes):
+    """``bulk_reduce_add_f32(dst, index, src, offset, nbytes)``: add ``nbytes`` bytes of float32 elements,
+    contiguous in shared ``src`` from element ``offset`` on, to the elements of ``dst`` from ``index`` on.
+
+    ``dst`` is a global float32 array, contiguous over the range, ``index`` a
+    tuple of ``dst.ndim`` ints; ``src`` a 1-D shared float32 array; both
+    16-byte aligned there, ``nbytes`` a multiple of 16. One thread issues it:
+    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``, which reads
+    ``src`` asynchronously (publish it with ``fence_proxy_async()`` and a barrier
+    first; ``bulk_commit()`` and ``bulk_wait_read(0)`` before writing it again)
+    and adds in L2 without a round trip per element. The twin adds at once, under a lock.
+    """
+    flat = np.asarray(getattr(dst, "_ary", dst)).reshape(-1)  # a view: dst is contiguous over the range
+    first = int(np.ravel_multi_index(index, dst.shape))
+    count = int(nbytes) // 4
+    with _reduction_lock:
+        flat[first : first + count] += src[offset : offset + count]
+
+
+@intrinsic
+def _bulk_reduce_add_f32(typingctx, dst, index, src, offset, nbytes):
+    if not (isinstance(dst, types.Array) and dst.dtype == types.float32 and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst_type, index_type, src_type, offset_type, nbytes_type = sig.args
+        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1])
+        shared = _shared_address(context, builder, src_type, args[2], (args[3], offset_type))
+        size = context.cast(builder, args[4], nbytes_type, types.int32)
+        _asm(builder, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+             "l,r,r,~{memory}", ir.VoidType(), [ptr, shared, size], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(dst, index, src, offset, nbytes), codegen
+
+
+_bind(bulk_reduce_add_f32, _bulk_reduce_add_f32)
+
+
+def bulk_commit():
+    """``bulk_commit()``: close the group of bulk operations this thread issued (``cp.async.bulk.commit_group``)."""
+
+
+_bind(bulk_commit, _statement_intrinsic("cp.async.bulk.commit_group;"))
+
+
+def bulk_wait_read(pending):
+    """``bulk_wait_read(N)``: wait until at most ``N`` (a constant) of this thread's committed bulk groups
+    may still read their shared-memory sources (``cp.async.bulk.wait_group.read N``)."""
+
+
+_bind_wait_group(bulk_wait_read, "cp.async.bulk.wait_group.read")
+
+
+def bulk_wait(pending):
+    """``bulk_wait(N)``: wait until at most ``N`` (a constant) of this thread's committed bulk groups are
+    incomplete (``cp.async.bulk.wait_group N``): their writes are then done."""
+
+
+_bind_wait_group(bulk_wait, "cp.async.bulk.wait_group")
+
+
+# --------------------------------------------------------------------------
 # Shared-memory stores and 16-byte shared-to-global copies (output epilogues)
 # --------------------------------------------------------------------------
 

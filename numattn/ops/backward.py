@@ -1,16 +1,74 @@
 """Attention backward for torch tensors (``numattn.torch.attention`` calls it): dq, dk, dv from the
-forward's inputs, output and log-sum-exp, on the GPU or in the simulator."""
+forward's inputs, output and log-sum-exp, on the GPU or in the simulator.
 
+fp16 and bf16 run on tensor cores: on sm_90 with head dims that are multiples of
+64 the wgmma kernel (``kernels/attention_backward_wgmma.py``), otherwise, head
+dims multiples of 16, the ``mma.sync`` kernel (``kernels/attention_backward_mma.py``);
+everything else on CUDA cores (``kernels/attention_backward.py``). All start
+from the ``rows`` kernel's delta and log2-domain log-sum-exp.
+"""
+
+import numba
 import numpy as np
+from numba import types
 
-from .._arrays import describe, host_storage, numba_storage_view
-from .._cuda import SIMULATOR, cuda
-from ..kernels.attention_backward import THREADS, backward_kernels, rows_grid
-from ..kernels.launch import compiled
+from .._arrays import host_storage, describe, storage_dtype
+from .._cuda import SIMULATOR
+from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
+from ..kernels.attention_backward_mma import (
+    LOG2E,
+    BackwardMmaConfig,
+    backward_mma_kernel,
+    backward_mma_supported,
+    choose_backward_config,
+)
+from ..kernels.attention_backward_wgmma import (
+    BackwardWgmmaConfig,
+    backward_wgmma_kernel,
+    backward_wgmma_supported,
+    choose_backward_wgmma_config,
+)
+from ..kernels.launch import array_fields, compiled, device_limits
+
+_KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
+
+
+def backward_config(dtype, head_dim, head_dim_v, device=0):
+    """The tensor-core backward's tile configuration for these operands (a ``BackwardWgmmaConfig`` or
+    ``BackwardMmaConfig``), or None for the CUDA-core path."""
+    limits = device_limits(device)
+    if backward_wgmma_supported(dtype, head_dim, head_dim_v, limits["cc"]):
+        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"])
+        if config is not None:
+            return config
+    if not backward_mma_supported(dtype, head_dim, head_dim_v):
+        return None
+    return choose_backward_config(head_dim, head_dim_v, limits["max_shared"], SIMULATOR)
+
+
+def _copyable_rows(x):
+    """``x``, or a contiguous copy where its rows are unfit for 16-byte copies (a strided last axis, rows
+    not 16-byte aligned)."""
+    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    return x if aligned else x.contiguous()
+
+
+def _launch(kernel, label, grid, threads, shared_bytes, arrays, scalars, stream):
+    """Launch ``kernel(*arrays, *scalars)``: torch tensors (16-bit floats as uint16 storage) and float32 scalars."""
+    if SIMULATOR:
+        views = [host_storage(x, describe(x, "array")) for x in arrays]
+        compiled(kernel, None, 0, shared_bytes, label).launch_arrays(grid, threads, *views, *scalars)
+        return
+    dtypes = [storage_dtype(str(x.dtype).removeprefix("torch.")) for x in arrays]
+    argtypes = tuple(types.Array(numba.from_dtype(d), x.dim(), "A") for x, d in zip(arrays, dtypes))
+    argtypes += (types.float32,) * len(scalars)
+    launcher = compiled(kernel, argtypes, arrays[0].device.index, shared_bytes, label)
+    fields, slots = array_fields([(tuple(x.shape), tuple(x.stride()), d.itemsize) for x, d in zip(arrays, dtypes)])
+    launcher.prepare(grid, threads, fields + list(scalars), slots)(stream, *(x.data_ptr() for x in arrays))
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal, scale):
-    """``(dq, dk, dv)`` float32 tensors for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o,
+    """``(dq, dk, dv)`` (float32, or dk and dv in the inputs' dtype on tensor cores) for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o,
     do`` of one dtype (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]."""
     import torch
 
@@ -18,33 +76,35 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
         grads = attention_backward(*(x.cuda() for x in (q, k, v, o, lse, do)), causal=causal, scale=scale)
         return tuple(g.cpu() for g in grads)
     dtype = str(q.dtype).removeprefix("torch.")
-    delta_kernel, dq_kernel, dkdv_kernel = backward_kernels(dtype, q.shape[-1], v.shape[-1], bool(causal))
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     batch, heads, seqlen_q = q.shape[:3]
     heads_kv, seqlen_kv = k.shape[1:3]
-    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    lse = lse.float().contiguous()
-    scale = np.float32(scale)
-    rows_q, rows_kv = batch * heads * seqlen_q, batch * heads_kv * seqlen_kv
-    if SIMULATOR:
-        views = [host_storage(x, describe(x, "array")) for x in (q, k, v, o, do)]
-        out = [x.numpy() for x in (dq, dk, dv, delta, lse)]
-        qs, ks, vs, os_, dos = views
-        dqs, dks, dvs, deltas, lses = out
+    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
+    stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
+    what = f"{dtype} d={head_dim}/{head_dim_v} causal={bool(causal)}"
 
-        def launch(kernel, rows, *args):
-            compiled(kernel, None, 0, 0, "attention backward").launch_arrays(rows_grid(rows), THREADS, *args)
-    else:
-        stream = cuda.external_stream(torch.cuda.current_stream(q.device).cuda_stream)
-        qs, ks, vs, os_, dos = (numba_storage_view(x.data_ptr(), x.shape, x.stride(), dtype) for x in (q, k, v, o, do))
-        dqs, dks, dvs, deltas, lses = (cuda.as_cuda_array(x) for x in (dq, dk, dv, delta, lse))
+    # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
+    rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
+    delta = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
+    lse2 = torch.empty_like(delta)
+    rows_kernel, dq_kernel, dkdv_kernel = backward_kernels(dtype, head_dim, head_dim_v, bool(causal))
+    _launch(rows_kernel, f"backward rows {what}", rows_grid(delta.numel(), ROW_THREADS), THREADS, 0,
+            (o, do, lse.float(), delta, lse2), (), stream)
 
-        def launch(kernel, rows, *args):
-            kernel[rows_grid(rows), THREADS, stream](*args)
-
-    launch(delta_kernel, rows_q, os_, dos, deltas)
-    launch(dq_kernel, rows_q, qs, ks, vs, dos, lses, deltas, dqs, scale)
-    launch(dkdv_kernel, rows_kv, qs, ks, vs, dos, lses, deltas, dks, dvs, scale)
+    if config is None:
+        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        _launch(dq_kernel, f"backward dq {what}", rows_grid(q.numel() // head_dim), THREADS, 0,
+                (q, k, v, do, lse2, delta, dq), (np.float32(scale),), stream)
+        _launch(dkdv_kernel, f"backward dkdv {what}", rows_grid(k.numel() // head_dim), THREADS, 0,
+                (q, k, v, do, lse2, delta, dk, dv), (np.float32(scale),), stream)
+        return dq, dk, dv
+    q, k, v, do = (_copyable_rows(x) for x in (q, k, v, do))
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the kernel adds each key tile's share
+    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    kernel = _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, bool(causal))
+    grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
+    _launch(kernel, f"backward {config} {what}", grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
+            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E)), stream)
     return dq, dk, dv

@@ -1,0 +1,370 @@
+"""Backward of softmax attention on tensor cores: FlashAttention-2's schedule with ``mma.sync`` m16n8k16.
+
+A block owns ``block_n = 16 · num_warps`` keys of one (batch, key/value head);
+warp ``w`` owns keys ``16w .. 16w + 16`` and keeps their dK and dV rows in
+registers for the whole kernel. The block visits every query tile
+(``block_m`` rows) of every query head in the KV head's group that sees its
+keys, so a KV head's dK and dV sum its group without atomics. Per query tile
+each warp computes, for its keys (``lse₂`` the log-sum-exp in the log2 domain,
+``delta_i = Σ_d dO[i, d] O[i, d]``):
+
+    Sᵀ = K Qᵀ      Pᵀ = exp2(scale·log2(e) · Sᵀ − lse₂)      dPᵀ = V dOᵀ
+    dSᵀ = Pᵀ ∘ (dPᵀ − delta)      dV += Pᵀ dO      dK += dSᵀ Q
+
+Pᵀ and dSᵀ become A fragments without leaving registers (an accumulator
+fragment pair is an A fragment, as in the forward). dSᵀ also goes to shared
+memory, where the block's warps, split by query rows and head-dim columns,
+compute the tile's ``dQ = dS K`` and add it to a float32 accumulator in global
+memory with atomic adds (blocks of other key tiles add to the same rows).
+
+Q and dO tiles, with their rows of ``lse₂`` and ``delta``, stream through a ring
+of ``cp.async`` stages; K and V are copied once. Shared-memory rows of 16-bit
+tiles are padded by 8 elements (conflict-free ``ldmatrix``). Keys past the
+sequence end and, under causal masking, keys after a query's diagonal get
+``P = 0``. Query rows past the end are zero-filled Q and dO rows: they add
+nothing to dK or dV and their dQ rows are not written.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import float32, uint16, uint32
+
+from .._cuda import cuda
+from .ptx import (
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_group,
+    ex2_approx,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_m16n8k16_bf16,
+    mma_m16n8k16_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    st_shared_b32,
+)
+from .tiles import NARROW, PAD, row_major_cell, tile_copier, tile_view
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+LOG2E = np.float32(1.0 / math.log(2.0))
+
+
+@dataclass(frozen=True)
+class BackwardMmaConfig:
+    """Tile configuration of the tensor-core backward: ``num_warps`` warps of 16 keys each, query tiles of
+    ``block_m`` rows through ``stages`` shared-memory buffers."""
+
+    block_m: int = 64
+    num_warps: int = 8
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_m % 16 or not 16 <= self.block_m <= 128 or not 1 <= self.num_warps <= 16 or not 2 <= self.stages <= 4:
+            raise ValueError(f"inconsistent backward tile configuration {self}")
+
+    @property
+    def block_n(self):
+        return 16 * self.num_warps
+
+    @property
+    def num_threads(self):
+        return 32 * self.num_warps
+
+    @property
+    def dq_warps(self):
+        """``(row_warps, col_warps)``: the warps' grid over a query tile's dQ (m16 tiles × head-dim columns)."""
+        rows = math.gcd(self.num_warps, self.block_m // 16)
+        return rows, self.num_warps // rows
+
+    def fits(self, head_dim):
+        """Whether each warp's share of dQ's columns is a whole number of 16-column steps."""
+        return head_dim % (16 * self.dq_warps[1]) == 0
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """K and V tiles, ``stages`` Q and dO tiles, the dSᵀ tile (16-bit, padded rows), and per stage the
+        tile's rows of lse₂ and delta (float32)."""
+        n, m = self.block_n, self.block_m
+        halves = n * (head_dim + PAD) + n * (head_dim_v + PAD) + n * (m + PAD)
+        halves += self.stages * m * (head_dim + PAD + head_dim_v + PAD)
+        return 2 * halves + 4 * self.stages * 2 * m
+
+
+def backward_mma_supported(dtype, head_dim, head_dim_v):
+    """Whether the tensor-core backward takes this dtype and these head dims."""
+    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
+
+
+# Per head-dim class, candidates in order of preference; the first that fits the device is used.
+_CANDIDATES = {
+    64: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4)),
+    128: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4), BackwardMmaConfig(32, 4)),
+    256: (BackwardMmaConfig(32, 4), BackwardMmaConfig(16, 4)),
+}
+
+
+def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
+    """The first candidate for these head dims that fits the shared memory (in the simulator the
+    smallest tile), or None."""
+    if simulator:
+        candidates = (BackwardMmaConfig(16, 1),)
+    else:
+        widest = max(head_dim, head_dim_v)
+        candidates = _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+    for config in candidates:
+        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def gradient_steps(mtiles, causal, dtype):
+    """Device functions ``(to_gradients, store_rows, add_dq)`` shared by the tensor-core backward kernels,
+    for a warp's accumulator tiles (mma.sync's layout: entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``,
+    column ``8n + 2t + e % 2`` of the warp's 16 rows) over ``mtiles`` n8 tiles of query columns."""
+    MTILES, CAUSAL = mtiles, causal
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, inline="always")
+    def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t):
+        """Sᵀ into Pᵀ and dPᵀ into dSᵀ, in place, for the warp's keys ``key0 + 0..15`` and the query tile
+        ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta). When ``masked``, keys past the end and keys
+        after a query's causal diagonal get P = 0."""
+        # two passes: with the mask test inside, every tile would run it as predicated code
+        if masked:
+            for n in range(MTILES):
+                for e in range(4):
+                    col = 8 * n + 2 * t + e % 2
+                    key = key0 + g + 8 * (e // 2)
+                    visible = key < seqlen_kv and not (CAUSAL and key > m0 + col + diagonal)
+                    p = ex2_approx(s[n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
+                    s[n, e] = p
+                    dp[n, e] = p * (dp[n, e] - rows[1, col])
+        else:
+            for n in range(MTILES):
+                for e in range(4):
+                    col = 8 * n + 2 * t + e % 2
+                    p = ex2_approx(s[n, e] * scale_log2 - rows[0, col])
+                    s[n, e] = p
+                    dp[n, e] = p * (dp[n, e] - rows[1, col])
+
+    @cuda.jit(device=True, inline="always")
+    def store_rows(dst, acc, tiles, b, h, row0, nrows, scale, g, t):
+        """``scale ·`` the warp's accumulator (``tiles`` n8 tiles) into rows ``row0 + 0..15`` of
+        ``dst[b, h]`` that lie below ``nrows``."""
+        for half in range(2):
+            row = row0 + g + 8 * half
+            if row < nrows:
+                for n in range(tiles):
+                    dst[b, h, row, 8 * n + 2 * t] = narrow(acc[n, 2 * half] * scale)
+                    dst[b, h, row, 8 * n + 2 * t + 1] = narrow(acc[n, 2 * half + 1] * scale)
+
+    @cuda.jit(device=True, inline="always")
+    def add_dq(dq, acc, first, tiles, b, h, row0, col0, seqlen_q, scale, g, t):
+        """Atomically add ``scale ·`` accumulator tiles ``first .. first + tiles`` (one m16 tile of
+        queries ``row0 + 0..15``, columns from ``col0``) to ``dq[b, h]``, rows below ``seqlen_q``."""
+        for half in range(2):
+            row = row0 + g + 8 * half
+            if row < seqlen_q:
+                for n in range(tiles):
+                    col = col0 + 8 * n + 2 * t
+                    cuda.atomic.add(dq, (b, h, row, col), acc[first + n, 2 * half] * scale)
+                    cuda.atomic.add(dq, (b, h, row, col + 1), acc[first + n, 2 * half + 1] * scale)
+
+    return to_gradients, store_rows, add_dq
+
+
+@functools.lru_cache(maxsize=None)
+def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
+    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2)``.
+
+    ``q, k, v, do``: 4-D (batch, heads, seq, dim) uint16 bit patterns with a
+    contiguous last axis and 16-byte aligned rows; ``lse2``, ``delta``: float32
+    ``[B, Hq, Sq′]`` with ``Sq′`` a multiple of ``block_m`` (``lse2`` the
+    log-sum-exp times log2(e)); ``dq``: float32 ``[B, Hq, Sq, D]``, zeroed,
+    to which the kernel adds ``scale · dS K``; ``dk``, ``dv``: ``[B, Hkv, Skv,
+    D or Dv]`` in the inputs' storage dtype, written. Launch with ``cdiv(Skv, block_n) · B ·
+    Hkv`` blocks of ``num_threads`` threads and ``config.shared_bytes(D, Dv)``
+    bytes of dynamic shared memory.
+    """
+    BLOCK_M, BLOCK_N, NUM_THREADS, STAGES = config.block_m, config.block_n, config.num_threads, config.stages
+    D, DV, CAUSAL = head_dim, head_dim_v, causal
+    KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+    MTILES = BLOCK_M // 8  # n8 tiles of Sᵀ and dPᵀ: the tile's query columns
+    MSTEPS = BLOCK_M // 16  # k-steps of dV += Pᵀ dO and dK += dSᵀ Q
+    DTILES, DVTILES = D // 8, DV // 8
+    NSTEPS = BLOCK_N // 16  # k-steps of dQ = dS K
+    ROW_WARPS, COL_WARPS = config.dq_warps
+    DQ_MTILES = BLOCK_M // 16 // ROW_WARPS  # m16 tiles of dQ per warp
+    DQ_COLS = D // COL_WARPS  # head-dim columns of dQ per warp
+    DQ_TILES = DQ_COLS // 8
+    DQ_ACC = DQ_MTILES * DQ_TILES  # a warp's dQ accumulator tiles
+    K_ROW, V_ROW, Q_ROW, DO_ROW, DS_ROW = D + PAD, DV + PAD, D + PAD, DV + PAD, BLOCK_M + PAD
+    V_OFF = BLOCK_N * K_ROW
+    DS_OFF = V_OFF + BLOCK_N * V_ROW
+    Q_OFF = DS_OFF + BLOCK_N * DS_ROW
+    Q_STAGE, DO_STAGE = BLOCK_M * Q_ROW, BLOCK_M * DO_ROW
+    DO_OFF = Q_OFF + STAGES * Q_STAGE
+    ROWS_OFF = (DO_OFF + STAGES * DO_STAGE) // 2  # float32 elements: per stage, rows of lse2 and delta
+    ROW_CHUNKS = BLOCK_M // 4  # 16-byte chunks of a tile's lse2 (or delta) row
+    IN_FLIGHT = STAGES - 1
+    mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
+    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+    copy_tile = tile_copier(NUM_THREADS, row_major_cell)
+    to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def mma_into(c, n, a0, a1, a2, a3, b0, b1):
+        """``c[n] += A·B`` for accumulator tile ``n``."""
+        c[n, 0], c[n, 1], c[n, 2], c[n, 3] = mma(a0, a1, a2, a3, b0, b1, c[n, 0], c[n, 1], c[n, 2], c[n, 3])
+
+    @cuda.jit(device=True, inline="always")
+    def fragment(a, c, kk):
+        """A fragment of k-step ``kk`` from accumulator tiles ``2kk`` and ``2kk + 1``, into ``a[0..3]``."""
+        n = 2 * kk
+        a[0] = pack(c[n, 0], c[n, 1])
+        a[1] = pack(c[n, 2], c[n, 3])
+        a[2] = pack(c[n + 1, 0], c[n + 1, 1])
+        a[3] = pack(c[n + 1, 2], c[n + 1, 3])
+
+    @cuda.jit(device=True)
+    def load_query_tile(smem, smem_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
+        """Issue the copies of query tile ``m0`` of head ``h``: Q and dO rows (rows past the end read 0)
+        and its rows of lse2 and delta."""
+        copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, BLOCK_M, q, b, h, m0, seqlen_q, D)
+        copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, b, h, m0, seqlen_q, DV)
+        rows = tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M)
+        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
+            c = 4 * (i % ROW_CHUNKS)
+            if i < ROW_CHUNKS:
+                cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)
+            else:
+                cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
+
+    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        smem_f = cuda.shared.array(0, float32)  # the same bytes, for the float32 rows
+        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
+        group = heads // heads_kv
+        # a head's key blocks are neighbours in the grid, so they run together and the dQ rows they all add
+        # to stay in L2; the first key block, the longest under causal masking, first
+        key_blocks = (seqlen_kv + BLOCK_N - 1) // BLOCK_N
+        n0 = (cuda.blockIdx.x % key_blocks) * BLOCK_N
+        b, h_kv = (cuda.blockIdx.x // key_blocks) // heads_kv, (cuda.blockIdx.x // key_blocks) % heads_kv
+        m_first = max(0, n0 - diagonal) // BLOCK_M * BLOCK_M if CAUSAL else 0
+        m_tiles = max(0, (seqlen_q - m_first + BLOCK_M - 1) // BLOCK_M)
+        n_iters = group * m_tiles  # (query head, query tile) pairs, head-major
+
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        mat, mrow = lane // 8, lane % 8  # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
+        key0 = 16 * warp  # the warp's first key within the block
+        dq_row0 = 16 * DQ_MTILES * (warp % ROW_WARPS)  # the warp's dQ rows and columns within a query tile
+        dq_col0 = DQ_COLS * (warp // ROW_WARPS)
+        k_s = tile_view(smem, 0, BLOCK_N, K_ROW)
+        v_s = tile_view(smem, V_OFF, BLOCK_N, V_ROW)
+        ds_s = tile_view(smem, DS_OFF, BLOCK_N, DS_ROW)  # dSᵀ: keys × query columns
+
+        copy_tile(k_s, 0, BLOCK_N, k, b, h_kv, n0, seqlen_kv, D)
+        copy_tile(v_s, 0, BLOCK_N, v, b, h_kv, n0, seqlen_kv, DV)
+        cp_async_commit()
+        for j in range(IN_FLIGHT):
+            if j < n_iters:
+                load_query_tile(smem, smem_f, j, q, do, lse2, delta, b,
+                                h_kv * group + j // m_tiles, m_first + (j % m_tiles) * BLOCK_M, seqlen_q)
+            cp_async_commit()
+
+        dk_acc = cuda.local.array((DTILES, 4), float32)
+        dv_acc = cuda.local.array((DVTILES, 4), float32)
+        for n in range(DTILES):
+            for e in range(4):
+                dk_acc[n, e] = _ZERO
+        for n in range(DVTILES):
+            for e in range(4):
+                dv_acc[n, e] = _ZERO
+        s = cuda.local.array((MTILES, 4), float32)
+        dp = cuda.local.array((MTILES, 4), float32)
+        dq_acc = cuda.local.array((DQ_ACC, 4), float32)
+        a = cuda.local.array(4, uint32)
+        dq_a = cuda.local.array((DQ_MTILES, 4), uint32)
+
+        for it in range(n_iters):
+            stage = it % STAGES
+            ahead = it + IN_FLIGHT  # into the stage tile it - 1 used, free since the barrier before its dQ
+            if ahead < n_iters:
+                load_query_tile(smem, smem_f, ahead % STAGES, q, do, lse2, delta, b,
+                                h_kv * group + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, seqlen_q)
+            cp_async_commit()
+            cp_async_wait_group(IN_FLIGHT)  # tile it has landed
+            cuda.syncthreads()  # and every warp is past the previous tile's dQ, which read dSᵀ
+            h = h_kv * group + it // m_tiles
+            m0 = m_first + (it % m_tiles) * BLOCK_M
+            q_s = tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW)
+            do_s = tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW)
+            rows = tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M)
+
+            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: A fragments of the warp's keys, B fragments of two query n8 tiles per ldmatrix
+            for n in range(MTILES):
+                for e in range(4):
+                    s[n, e] = _ZERO
+                    dp[n, e] = _ZERO
+            for ks in range(KSTEPS):
+                a0, a1, a2, a3 = ldmatrix_x4(k_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
+                for np2 in range(MTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(q_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                    mma_into(s, 2 * np2, a0, a1, a2, a3, b0, b1)
+                    mma_into(s, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+            for ks in range(VSTEPS):
+                a0, a1, a2, a3 = ldmatrix_x4(v_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
+                for np2 in range(MTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4(do_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                    mma_into(dp, 2 * np2, a0, a1, a2, a3, b0, b1)
+                    mma_into(dp, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+
+            # Pᵀ and dSᵀ in place; entry e of tile n: key g + 8·(e // 2), query column 8n + 2t + e % 2
+            masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)
+            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t)
+
+            # dV += Pᵀ dO and dK += dSᵀ Q (B fragments of dO, Q read transposed); dSᵀ to shared memory
+            for kk in range(MSTEPS):
+                fragment(a, s, kk)
+                for np2 in range(DVTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(do_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                    mma_into(dv_acc, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dv_acc, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+                fragment(a, dp, kk)
+                st_shared_b32(ds_s, key0 + g, 16 * kk + 2 * t, a[0])
+                st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 2 * t, a[1])
+                st_shared_b32(ds_s, key0 + g, 16 * kk + 8 + 2 * t, a[2])
+                st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 8 + 2 * t, a[3])
+                for np2 in range(DTILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(q_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                    mma_into(dk_acc, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dk_acc, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+            cuda.syncthreads()  # dSᵀ complete
+
+            # dQ += scale · dS K: A fragments of dS read transposed from dSᵀ, B fragments of K transposed
+            for n in range(DQ_ACC):
+                for e in range(4):
+                    dq_acc[n, e] = _ZERO
+            for kk in range(NSTEPS):
+                for mt in range(DQ_MTILES):
+                    dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3] = ldmatrix_x4_trans(
+                        ds_s, 16 * kk + 8 * (mat // 2) + mrow, dq_row0 + 16 * mt + 8 * (mat % 2))
+                for np2 in range(DQ_TILES // 2):
+                    b0, b1, b2, b3 = ldmatrix_x4_trans(k_s, 16 * kk + mrow + 8 * (mat % 2), dq_col0 + 16 * np2 + 8 * (mat // 2))
+                    for mt in range(DQ_MTILES):
+                        mma_into(dq_acc, mt * DQ_TILES + 2 * np2, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3], b0, b1)
+                        mma_into(dq_acc, mt * DQ_TILES + 2 * np2 + 1, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3],
+                                 b2, b3)
+            for mt in range(DQ_MTILES):
+                add_dq(dq, dq_acc, mt * DQ_TILES, DQ_TILES, b, h, m0 + dq_row0 + 16 * mt, dq_col0, seqlen_q, scale, g, t)
+
+        store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
+        store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, _ONE, g, t)
+
+    return cuda.jit(kernel)

@@ -1,0 +1,306 @@
+"""Backward of softmax attention on Hopper's warpgroup tensor cores (``wgmma``, sm_90 only).
+
+The schedule of the ``mma.sync`` backward (``attention_backward_mma.py``) with
+warpgroups for warps: a block owns ``64 · warpgroups`` keys of one (batch,
+key/value head), each warpgroup 64 of them (each warp 16), and visits every
+query tile of 64 rows of every query head in the group that sees its keys.
+Per tile a warpgroup computes
+
+    Sᵀ = K Qᵀ, dPᵀ = V dOᵀ        both operands in shared memory (K-major)
+    Pᵀ, dSᵀ                       in registers, as the mma.sync kernel
+    dV += Pᵀ dO, dK += dSᵀ Q       A from registers, B (dO, Q) MN-major
+
+and writes dS (query rows × key columns) to shared memory, from which the
+block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
+``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
+accumulator: the warpgroups stage the tile's dQ rows in shared memory, and a
+thread per row adds its row with a bulk asynchronous reduction
+(``cp.reduce.async.bulk``). Q and dO tiles, with their rows of lse₂ and
+delta, stream through two ``cp.async`` stages; K and V are copied once. All
+16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx.py``).
+
+Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligned rows.
+"""
+
+import functools
+from dataclasses import dataclass
+
+from numba import float32, uint16, uint32
+
+from .._cuda import cuda
+from .attention_backward_mma import gradient_steps
+from .ptx import (
+    SW128_ALIGN,
+    aligned_start,
+    bulk_commit,
+    bulk_reduce_add_f32,
+    bulk_wait,
+    bulk_wait_read,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait_group,
+    fence_proxy_async,
+    fence_registers,
+    pack_bf16x2,
+    pack_f16x2,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_rs_bf16,
+    wgmma_rs_f16,
+    wgmma_ss_bf16,
+    wgmma_ss_f16,
+    wgmma_wait,
+)
+from .tiles import NARROW, sw128_cell, tile_copier, tile_view
+
+BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
+STAGES = 2
+DQ_PAD = 4  # float32 elements after each staged dQ row: 16-byte aligned rows, two-way bank conflicts at most
+
+
+@dataclass(frozen=True)
+class BackwardWgmmaConfig:
+    """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each."""
+
+    warpgroups: int = 2
+
+    def __post_init__(self):
+        if self.warpgroups not in (1, 2):
+            raise ValueError(f"inconsistent wgmma backward configuration {self}")
+
+    @property
+    def block_n(self):
+        return 64 * self.warpgroups
+
+    @property
+    def block_m(self):
+        return BLOCK_M
+
+    @property
+    def num_threads(self):
+        return 128 * self.warpgroups
+
+    def fits(self, head_dim):
+        """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""
+        return head_dim % (64 * self.warpgroups) == 0
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """K, V, two stages of Q and dO, the dS tile (16-bit), two stages of lse₂ and delta rows and the
+        dQ tile (float32), and slack to align the swizzled tiles."""
+        n = self.block_n
+        halves = n * (head_dim + head_dim_v) + STAGES * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
+        dq_stage = BLOCK_M * (head_dim + DQ_PAD)
+        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_stage) + SW128_ALIGN
+
+
+def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
+    """Whether the wgmma backward takes this dtype and these head dims on a GPU of compute capability ``cc``."""
+    return cc == (9, 0) and dtype in ("float16", "bfloat16") and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
+
+
+def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
+    """Two warpgroups where they fit (registers: head dims up to 128), else one; None if neither fits."""
+    candidates = (BackwardWgmmaConfig(2), BackwardWgmmaConfig(1)) if max(head_dim, head_dim_v) <= 128 else (
+        BackwardWgmmaConfig(1),)
+    for config in candidates:
+        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
+    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2)``, arguments and
+    launch as for ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
+    GROUPS, BLOCK_N, NUM_THREADS = config.warpgroups, config.block_n, config.num_threads
+    D, DV, CAUSAL = head_dim, head_dim_v, causal
+    KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
+    MTILES, MSTEPS = BLOCK_M // 8, BLOCK_M // 16  # n8 tiles of Sᵀ; k-steps of dV, dK
+    NSTEPS = BLOCK_N // 16  # k-steps of dQ = dS K
+    DTILES, DVTILES = D // 8, DV // 8
+    DQ_N = D // GROUPS  # dQ columns per warpgroup
+    DQ_TILES = DQ_N // 8
+    S_REGS, DK_REGS, DV_REGS, DQ_REGS = BLOCK_M // 2, D // 2, DV // 2, DQ_N // 2
+    FRAG_REGS = 4 * MSTEPS  # A fragments of Pᵀ (or dSᵀ)
+    # shared memory as 128-byte rows of a 64-column view (each tile a multiple of 8 rows: 1024-byte aligned)
+    K_ROW0 = 0
+    V_ROW0 = K_ROW0 + BLOCK_N * D // 64
+    Q_ROW0 = V_ROW0 + BLOCK_N * DV // 64
+    Q_ROWS = BLOCK_M * D // 64
+    DO_ROW0 = Q_ROW0 + STAGES * Q_ROWS
+    DO_ROWS = BLOCK_M * DV // 64
+    DS_ROW0 = DO_ROW0 + STAGES * DO_ROWS  # dS: BLOCK_M query rows × BLOCK_N key columns
+    VIEW_ROWS = DS_ROW0 + BLOCK_M * BLOCK_N // 64
+    ROWS_OFF = 32 * VIEW_ROWS  # float32 elements after the view: per stage, rows of lse2 and delta
+    DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tile
+    DQ_ROW = D + DQ_PAD
+    ROW_CHUNKS = BLOCK_M // 4
+    bf16 = dtype == "bfloat16"
+    wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    pack = pack_bf16x2 if bf16 else pack_f16x2
+    narrow = NARROW[dtype]
+    copy_tile = tile_copier(NUM_THREADS, sw128_cell)
+    to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype)
+
+    @cuda.jit(device=True, inline="always")
+    def fragments(a, c):
+        """A fragments of every k-step (``a[kk, 0..3]``) from the accumulator tiles ``2kk``, ``2kk + 1``."""
+        for kk in range(MSTEPS):
+            n = 2 * kk
+            a[kk, 0] = pack(c[n, 0], c[n, 1])
+            a[kk, 1] = pack(c[n, 2], c[n, 3])
+            a[kk, 2] = pack(c[n + 1, 0], c[n + 1, 1])
+            a[kk, 3] = pack(c[n + 1, 2], c[n + 1, 3])
+
+    @cuda.jit(device=True)
+    def load_query_tile(view, rows_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
+        """Issue the copies of query tile ``m0`` of head ``h`` (Q and dO rows, rows past the end read 0) and its
+        rows of lse2 and delta."""
+        copy_tile(view, Q_ROW0 + stage * Q_ROWS, BLOCK_M, q, b, h, m0, seqlen_q, D)
+        copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, b, h, m0, seqlen_q, DV)
+        rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
+        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
+            c = 4 * (i % ROW_CHUNKS)
+            if i < ROW_CHUNKS:
+                cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)
+            else:
+                cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
+
+    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, VIEW_ROWS, 64)
+        rows_f = cuda.shared.array(0, float32)[start // 2 + ROWS_OFF:]  # the same bytes, past the view
+        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
+        group_size = heads // heads_kv
+        # a head's key blocks are neighbours in the grid, so they run together and the dQ rows they all add
+        # to stay in L2; the first key block, the longest under causal masking, first
+        key_blocks = (seqlen_kv + BLOCK_N - 1) // BLOCK_N
+        n0 = (cuda.blockIdx.x % key_blocks) * BLOCK_N
+        b, h_kv = (cuda.blockIdx.x // key_blocks) // heads_kv, (cuda.blockIdx.x // key_blocks) % heads_kv
+        m_first = max(0, n0 - diagonal) // BLOCK_M * BLOCK_M if CAUSAL else 0
+        m_tiles = max(0, (seqlen_q - m_first + BLOCK_M - 1) // BLOCK_M)
+        n_iters = group_size * m_tiles  # (query head, query tile) pairs, head-major
+
+        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        wg = warp // 4
+        key0 = 16 * warp  # the warp's first key within the block (warpgroup wg: keys 64wg ..)
+        dq_row0 = 16 * (warp % 4)  # the warp's dQ rows within a query tile
+        dq_col0 = DQ_N * wg  # the warpgroup's dQ columns
+        dq_stage = tile_view(rows_f, DQ_OFF, BLOCK_M, DQ_ROW)
+
+        copy_tile(view, K_ROW0, BLOCK_N, k, b, h_kv, n0, seqlen_kv, D)
+        copy_tile(view, V_ROW0, BLOCK_N, v, b, h_kv, n0, seqlen_kv, DV)
+        if n_iters > 0:
+            load_query_tile(view, rows_f, 0, q, do, lse2, delta, b, h_kv * group_size, m_first, seqlen_q)
+        cp_async_commit()
+
+        dk_acc = cuda.local.array((DTILES, 4), float32)
+        dv_acc = cuda.local.array((DVTILES, 4), float32)
+        for n in range(DTILES):
+            for e in range(4):
+                dk_acc[n, e] = 0.0
+        for n in range(DVTILES):
+            for e in range(4):
+                dv_acc[n, e] = 0.0
+        s = cuda.local.array((MTILES, 4), float32)
+        dp = cuda.local.array((MTILES, 4), float32)
+        dq_acc = cuda.local.array((DQ_TILES, 4), float32)
+        p_frag = cuda.local.array((MSTEPS, 4), uint32)
+        ds_frag = cuda.local.array((MSTEPS, 4), uint32)
+        # the tiles' offsets pass through an opaque register per iteration: hoisted out of the loop, the
+        # matrix descriptors of every k-step would stay live in registers
+        tile_offsets = cuda.local.array(1, uint32)
+
+        for it in range(n_iters):
+            stage = it % STAGES
+            if cuda.threadIdx.x < BLOCK_M:
+                bulk_wait_read(0)  # the previous tile's dQ reduction has read this thread's staged row
+            cp_async_wait_group(0)  # tile it has landed
+            fence_proxy_async()  # this thread's copies, visible to wgmma
+            cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
+            ahead = it + 1
+            if ahead < n_iters:  # into the stage of tile it - 1
+                load_query_tile(view, rows_f, ahead % STAGES, q, do, lse2, delta, b,
+                                h_kv * group_size + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, seqlen_q)
+            cp_async_commit()
+            tile_offsets[0] = start
+            fence_registers(tile_offsets, 1)
+            k_tile = tile_offsets[0] + 64 * K_ROW0
+            v_tile = tile_offsets[0] + 64 * V_ROW0
+            ds_tile = tile_offsets[0] + 64 * DS_ROW0
+            h = h_kv * group_size + it // m_tiles
+            m0 = m_first + (it % m_tiles) * BLOCK_M
+            q_tile = tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS)
+            do_tile = tile_offsets[0] + 64 * (DO_ROW0 + stage * DO_ROWS)
+            rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
+
+            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warpgroup's 64 keys: k-step ks reads 16 columns of panel ks // 4
+            wgmma_fence()
+            for ks in range(KSTEPS):
+                wgmma_ss(s, BLOCK_M, smem, k_tile + 64 * ((ks // 4) * BLOCK_N + 64 * wg) + 16 * (ks % 4),
+                         q_tile + 64 * (ks // 4) * BLOCK_M + 16 * (ks % 4), 0, False, ks > 0)
+            for ks in range(VSTEPS):
+                wgmma_ss(dp, BLOCK_M, smem, v_tile + 64 * ((ks // 4) * BLOCK_N + 64 * wg) + 16 * (ks % 4),
+                         do_tile + 64 * (ks // 4) * BLOCK_M + 16 * (ks % 4), 0, False, ks > 0)
+            wgmma_commit()
+            wgmma_wait(0)
+            fence_registers(s, S_REGS)
+            fence_registers(dp, S_REGS)
+
+            masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)
+            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t)
+            fragments(p_frag, s)
+            fragments(ds_frag, dp)
+
+            # dV += Pᵀ dO and dK += dSᵀ Q: k-step kk multiplies queries 16kk .. 16kk + 16 of the dO and Q tiles
+            fence_registers(dv_acc, DV_REGS)
+            fence_registers(dk_acc, DK_REGS)
+            wgmma_fence()
+            for kk in range(MSTEPS):
+                wgmma_rs(dv_acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
+                         smem, do_tile + 64 * 16 * kk, 64 * BLOCK_M, True, True)
+            for kk in range(MSTEPS):
+                wgmma_rs(dk_acc, D, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3],
+                         smem, q_tile + 64 * 16 * kk, 64 * BLOCK_M, True, True)
+            wgmma_commit()
+
+            # dS into shared memory, query-major: entry e of tile n is query 8n + 2t + e % 2, key key0 + g + 8(e // 2)
+            for n in range(MTILES):
+                for e in range(4):
+                    row, col = sw128_cell(DS_ROW0, BLOCK_M, 8 * n + 2 * t + e % 2, key0 + 8 * (e // 2))
+                    view[row, col + g] = narrow(dp[n, e])
+            fence_proxy_async()
+            cuda.syncthreads()  # dS complete
+            wgmma_wait(0)  # dV, dK: their A fragments' registers are free again
+            fence_registers(dv_acc, DV_REGS)
+            fence_registers(dk_acc, DK_REGS)
+            fence_registers(p_frag, FRAG_REGS)
+            fence_registers(ds_frag, FRAG_REGS)
+
+            # dQ = dS K for the warpgroup's columns: A = dS (K-major), B = K tile rows 16kk .. (MN-major)
+            wgmma_fence()
+            for kk in range(NSTEPS):
+                wgmma_ss(dq_acc, DQ_N, smem, ds_tile + 64 * ((kk // 4) * BLOCK_M) + 16 * (kk % 4),
+                         k_tile + (dq_col0 // 64) * 64 * BLOCK_N + 64 * 16 * kk, 64 * BLOCK_N, True, kk > 0)
+            wgmma_commit()
+            wgmma_wait(0)
+            fence_registers(dq_acc, DQ_REGS)
+            for n in range(DQ_TILES):
+                for e in range(4):
+                    dq_stage[dq_row0 + g + 8 * (e // 2), dq_col0 + 8 * n + 2 * t + e % 2] = dq_acc[n, e] * scale
+            fence_proxy_async()
+            cuda.syncthreads()  # the tile's dQ rows are staged
+            r = cuda.threadIdx.x
+            if r < BLOCK_M and m0 + r < seqlen_q:
+                bulk_reduce_add_f32(dq, (b, h, m0 + r, 0), rows_f, DQ_OFF + r * DQ_ROW, 4 * D)
+                bulk_commit()
+
+        if cuda.threadIdx.x < BLOCK_M:
+            bulk_wait(0)  # the last reduction is done before the block's shared memory goes
+        store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
+        store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, 1.0, g, t)
+
+    return cuda.jit(kernel)
