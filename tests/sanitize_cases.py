@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python tests/sanitize_cases.py
 
 (``python tests/sanitize_cases.py mla``: the MLA decode cases alone; ``split``: the key-split and
-transposed-K variants of the ``mma.sync`` kernel alone.)
+transposed-K variants of the ``mma.sync`` kernel alone; ``backward``: the backward kernels alone.)
 
 (``--report-api-errors no``: cuda-bindings probes driver entry points with ``cuGetProcAddress``,
 whose expected failures memcheck would count as errors.)
@@ -89,6 +89,38 @@ def run_split_cases(rng):
                 assert err < 2e-2
 
 
+BACKWARD_CASES = [  # dtype, causal, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim
+    ("bfloat16", True, 1, 4, 2, 200, 150, 128),  # wgmma (sm_90), two warpgroups; rows that see no key
+    ("float16", False, 2, 2, 1, 70, 130, 64),  # wgmma, one warpgroup
+    ("bfloat16", True, 1, 2, 2, 100, 90, 96),  # mma.sync
+    ("float32", True, 1, 2, 1, 40, 50, 32),  # CUDA cores
+]
+
+
+def run_backward_cases(rng):
+    """numattn.torch.attention's gradients against float64 autograd."""
+    import numattn.torch as nt
+
+    for dtype, causal, b, hq, hkv, sq, skv, d in BACKWARD_CASES:
+        shapes = [(b, hq, sq, d), (b, hkv, skv, d), (b, hkv, skv, d)]
+        leaves = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to("cuda", getattr(torch, dtype))
+                  .requires_grad_() for s in shapes]
+        o = nt.attention(*leaves, causal=causal)
+        do = torch.randn_like(o)
+        o.backward(do)
+        exact = [x.detach().double().requires_grad_() for x in leaves]
+        group = hq // hkv
+        s = exact[0] @ exact[1].repeat_interleave(group, 1).transpose(-1, -2) / d ** 0.5
+        if causal:
+            mask = torch.ones(sq, skv, dtype=torch.bool, device="cuda").tril(skv - sq)
+            s = s.masked_fill(~mask, float("-inf"))
+        (torch.softmax(s, -1).nan_to_num(0.0) @ exact[2].repeat_interleave(group, 1)).backward(do.double())
+        errs = [(x.grad.double() - e.grad).abs().max().item() / max(1.0, e.grad.abs().max().item())
+                for x, e in zip(leaves, exact)]
+        print(f"backward {dtype} causal={causal} q={shapes[0]} k={shapes[1]}: max grad errors {errs}")
+        assert max(errs) < 2e-2
+
+
 def run_decode_cases(rng):
     from numattn.bench import paged_copy
 
@@ -112,7 +144,7 @@ if __name__ == "__main__":
     import sys
 
     rng = np.random.default_rng()
-    only = {"mla": run_mla_cases, "split": run_split_cases}
+    only = {"mla": run_mla_cases, "split": run_split_cases, "backward": run_backward_cases}
     if sys.argv[1:2] and sys.argv[1] in only:
         only[sys.argv[1]](rng)
         sys.exit()
@@ -127,5 +159,6 @@ if __name__ == "__main__":
         print(f"{dtype} causal={causal} q={tuple(q.shape)} k={tuple(k.shape)} v={tuple(v.shape)}: max err {err:.2e}")
         assert err < 2e-2
     run_split_cases(rng)
+    run_backward_cases(rng)
     run_decode_cases(rng)
     run_mla_cases(rng)

@@ -1,17 +1,17 @@
 """asv benchmark of numattn.torch.attention forward + backward on the GPU (skipped without one):
-median milliseconds of CUDA-event-timed steps (W8's shape family at a size the CUDA-core backward
-finishes quickly)."""
+median milliseconds of CUDA-event-timed steps, bf16, W8's shape family at a quarter of its size
+(B1 H16 L2048; the full W8 table: ``python -m numattn bench --training``)."""
 
 import numattn
 from numattn.bench import cuda_time_ms
 
 
 class AttentionForwardBackward:
-    params = ([False, True],)
-    param_names = ["causal"]
+    params = ([64, 128], [False, True])
+    param_names = ["head_dim", "causal"]
     timeout = 300
 
-    def setup(self, causal):
+    def setup(self, head_dim, causal):
         if numattn.SIMULATOR:
             raise NotImplementedError("needs an NVIDIA GPU")
         import torch
@@ -19,17 +19,19 @@ class AttentionForwardBackward:
         import numattn.torch as nt
 
         self.nt = nt
-        self.q, self.k, self.v = (torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        shape = (1, 16, 2048, head_dim)
+        self.q, self.k, self.v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                                   for _ in range(3))
-        self.do = torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
+        self.do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.causal = causal
         self.step()  # compile outside the timing
 
     def step(self):
+        self.q.grad = self.k.grad = self.v.grad = None
         o = self.nt.attention(self.q, self.k, self.v, causal=self.causal)
         o.backward(self.do)
 
-    def track_ms(self, causal):
+    def track_ms(self, head_dim, causal):
         return cuda_time_ms(self.step)
 
     track_ms.unit = "ms"

@@ -121,12 +121,25 @@ def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=Fal
 
 
 @functools.lru_cache(maxsize=None)
-def gradient_steps(mtiles, causal, dtype):
-    """Device functions ``(to_gradients, store_rows, add_dq)`` shared by the tensor-core backward kernels,
-    for a warp's accumulator tiles (mma.sync's layout: entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``,
-    column ``8n + 2t + e % 2`` of the warp's 16 rows) over ``mtiles`` n8 tiles of query columns."""
-    MTILES, CAUSAL = mtiles, causal
+def gradient_steps(mtiles, causal, dtype, num_threads):
+    """Device functions ``(copy_rows, to_gradients, store_rows, add_dq)`` shared by the tensor-core backward
+    kernels with blocks of ``num_threads`` threads, for a warp's accumulator tiles (mma.sync's layout:
+    entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``, column ``8n + 2t + e % 2`` of the warp's 16
+    rows; the scores ``s[0, n, e]`` over ``mtiles`` n8 tiles of query columns)."""
+    MTILES, CAUSAL, NUM_THREADS = mtiles, causal, num_threads
+    ROW_CHUNKS = 2 * mtiles  # 16-byte chunks of a query tile's lse2 (or delta) row
     narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, inline="always")
+    def copy_rows(rows, lse2, delta, b, h, m0):
+        """Issue the copies of query tile ``m0``'s lse2 and delta (rows past the end: the arrays' zero padding)
+        into ``rows[0]`` and ``rows[1]``."""
+        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
+            c = 4 * (i % ROW_CHUNKS)
+            if i < ROW_CHUNKS:
+                cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)
+            else:
+                cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
 
     @cuda.jit(device=True, inline="always")
     def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t):
@@ -140,41 +153,41 @@ def gradient_steps(mtiles, causal, dtype):
                     col = 8 * n + 2 * t + e % 2
                     key = key0 + g + 8 * (e // 2)
                     visible = key < seqlen_kv and not (CAUSAL and key > m0 + col + diagonal)
-                    p = ex2_approx(s[n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
-                    s[n, e] = p
-                    dp[n, e] = p * (dp[n, e] - rows[1, col])
+                    p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
+                    s[0, n, e] = p
+                    dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
         else:
             for n in range(MTILES):
                 for e in range(4):
                     col = 8 * n + 2 * t + e % 2
-                    p = ex2_approx(s[n, e] * scale_log2 - rows[0, col])
-                    s[n, e] = p
-                    dp[n, e] = p * (dp[n, e] - rows[1, col])
+                    p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col])
+                    s[0, n, e] = p
+                    dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
 
     @cuda.jit(device=True, inline="always")
     def store_rows(dst, acc, tiles, b, h, row0, nrows, scale, g, t):
-        """``scale ·`` the warp's accumulator (``tiles`` n8 tiles) into rows ``row0 + 0..15`` of
+        """``scale ·`` the warp's accumulator ``acc[0]`` (``tiles`` n8 tiles) into rows ``row0 + 0..15`` of
         ``dst[b, h]`` that lie below ``nrows``."""
         for half in range(2):
             row = row0 + g + 8 * half
             if row < nrows:
                 for n in range(tiles):
-                    dst[b, h, row, 8 * n + 2 * t] = narrow(acc[n, 2 * half] * scale)
-                    dst[b, h, row, 8 * n + 2 * t + 1] = narrow(acc[n, 2 * half + 1] * scale)
+                    dst[b, h, row, 8 * n + 2 * t] = narrow(acc[0, n, 2 * half] * scale)
+                    dst[b, h, row, 8 * n + 2 * t + 1] = narrow(acc[0, n, 2 * half + 1] * scale)
 
     @cuda.jit(device=True, inline="always")
-    def add_dq(dq, acc, first, tiles, b, h, row0, col0, seqlen_q, scale, g, t):
-        """Atomically add ``scale ·`` accumulator tiles ``first .. first + tiles`` (one m16 tile of
-        queries ``row0 + 0..15``, columns from ``col0``) to ``dq[b, h]``, rows below ``seqlen_q``."""
+    def add_dq(dq, acc, mt, tiles, b, h, row0, col0, seqlen_q, scale, g, t):
+        """Atomically add ``scale ·`` the ``tiles`` accumulator tiles of m16 tile ``mt`` (queries
+        ``row0 + 0..15``, columns from ``col0``) to ``dq[b, h]``, rows below ``seqlen_q``."""
         for half in range(2):
             row = row0 + g + 8 * half
             if row < seqlen_q:
                 for n in range(tiles):
                     col = col0 + 8 * n + 2 * t
-                    cuda.atomic.add(dq, (b, h, row, col), acc[first + n, 2 * half] * scale)
-                    cuda.atomic.add(dq, (b, h, row, col + 1), acc[first + n, 2 * half + 1] * scale)
+                    cuda.atomic.add(dq, (b, h, row, col), acc[mt, n, 2 * half] * scale)
+                    cuda.atomic.add(dq, (b, h, row, col + 1), acc[mt, n, 2 * half + 1] * scale)
 
-    return to_gradients, store_rows, add_dq
+    return copy_rows, to_gradients, store_rows, add_dq
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,7 +214,6 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
     DQ_MTILES = BLOCK_M // 16 // ROW_WARPS  # m16 tiles of dQ per warp
     DQ_COLS = D // COL_WARPS  # head-dim columns of dQ per warp
     DQ_TILES = DQ_COLS // 8
-    DQ_ACC = DQ_MTILES * DQ_TILES  # a warp's dQ accumulator tiles
     K_ROW, V_ROW, Q_ROW, DO_ROW, DS_ROW = D + PAD, DV + PAD, D + PAD, DV + PAD, BLOCK_M + PAD
     V_OFF = BLOCK_N * K_ROW
     DS_OFF = V_OFF + BLOCK_N * V_ROW
@@ -209,26 +221,28 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
     Q_STAGE, DO_STAGE = BLOCK_M * Q_ROW, BLOCK_M * DO_ROW
     DO_OFF = Q_OFF + STAGES * Q_STAGE
     ROWS_OFF = (DO_OFF + STAGES * DO_STAGE) // 2  # float32 elements: per stage, rows of lse2 and delta
-    ROW_CHUNKS = BLOCK_M // 4  # 16-byte chunks of a tile's lse2 (or delta) row
     IN_FLIGHT = STAGES - 1
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
-    to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype)
+    copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
 
     @cuda.jit(device=True, inline="always")
-    def mma_into(c, n, a0, a1, a2, a3, b0, b1):
-        """``c[n] += A·B`` for accumulator tile ``n``."""
-        c[n, 0], c[n, 1], c[n, 2], c[n, 3] = mma(a0, a1, a2, a3, b0, b1, c[n, 0], c[n, 1], c[n, 2], c[n, 3])
+    def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
+        """``c[mt, n] += A·B``: accumulator tile ``n`` of m16 tile ``mt``."""
+        c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3] = mma(
+            a0, a1, a2, a3, b0, b1, c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3]
+        )
 
     @cuda.jit(device=True, inline="always")
     def fragment(a, c, kk):
-        """A fragment of k-step ``kk`` from accumulator tiles ``2kk`` and ``2kk + 1``, into ``a[0..3]``."""
+        """A fragment of k-step ``kk`` from accumulator tiles ``2kk`` and ``2kk + 1``, into ``a[0..3]`` (one
+        k-step at a time: at 255 registers there is no room for all of them, as the wgmma kernel keeps)."""
         n = 2 * kk
-        a[0] = pack(c[n, 0], c[n, 1])
-        a[1] = pack(c[n, 2], c[n, 3])
-        a[2] = pack(c[n + 1, 0], c[n + 1, 1])
-        a[3] = pack(c[n + 1, 2], c[n + 1, 3])
+        a[0] = pack(c[0, n, 0], c[0, n, 1])
+        a[1] = pack(c[0, n, 2], c[0, n, 3])
+        a[2] = pack(c[0, n + 1, 0], c[0, n + 1, 1])
+        a[3] = pack(c[0, n + 1, 2], c[0, n + 1, 3])
 
     @cuda.jit(device=True)
     def load_query_tile(smem, smem_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
@@ -236,13 +250,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
         and its rows of lse2 and delta."""
         copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, BLOCK_M, q, b, h, m0, seqlen_q, D)
         copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, b, h, m0, seqlen_q, DV)
-        rows = tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M)
-        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
-            c = 4 * (i % ROW_CHUNKS)
-            if i < ROW_CHUNKS:
-                cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)
-            else:
-                cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
+        copy_rows(tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
 
     def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -278,17 +286,17 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                                 h_kv * group + j // m_tiles, m_first + (j % m_tiles) * BLOCK_M, seqlen_q)
             cp_async_commit()
 
-        dk_acc = cuda.local.array((DTILES, 4), float32)
-        dv_acc = cuda.local.array((DVTILES, 4), float32)
+        dk_acc = cuda.local.array((1, DTILES, 4), float32)
+        dv_acc = cuda.local.array((1, DVTILES, 4), float32)
         for n in range(DTILES):
             for e in range(4):
-                dk_acc[n, e] = _ZERO
+                dk_acc[0, n, e] = _ZERO
         for n in range(DVTILES):
             for e in range(4):
-                dv_acc[n, e] = _ZERO
-        s = cuda.local.array((MTILES, 4), float32)
-        dp = cuda.local.array((MTILES, 4), float32)
-        dq_acc = cuda.local.array((DQ_ACC, 4), float32)
+                dv_acc[0, n, e] = _ZERO
+        s = cuda.local.array((1, MTILES, 4), float32)
+        dp = cuda.local.array((1, MTILES, 4), float32)
+        dq_acc = cuda.local.array((DQ_MTILES, DQ_TILES, 4), float32)
         a = cuda.local.array(4, uint32)
         dq_a = cuda.local.array((DQ_MTILES, 4), uint32)
 
@@ -310,20 +318,20 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
             # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: A fragments of the warp's keys, B fragments of two query n8 tiles per ldmatrix
             for n in range(MTILES):
                 for e in range(4):
-                    s[n, e] = _ZERO
-                    dp[n, e] = _ZERO
+                    s[0, n, e] = _ZERO
+                    dp[0, n, e] = _ZERO
             for ks in range(KSTEPS):
                 a0, a1, a2, a3 = ldmatrix_x4(k_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
                 for np2 in range(MTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(q_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
-                    mma_into(s, 2 * np2, a0, a1, a2, a3, b0, b1)
-                    mma_into(s, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+                    mma_into(s, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
+                    mma_into(s, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
             for ks in range(VSTEPS):
                 a0, a1, a2, a3 = ldmatrix_x4(v_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
                 for np2 in range(MTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4(do_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
-                    mma_into(dp, 2 * np2, a0, a1, a2, a3, b0, b1)
-                    mma_into(dp, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+                    mma_into(dp, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
+                    mma_into(dp, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
             # Pᵀ and dSᵀ in place; entry e of tile n: key g + 8·(e // 2), query column 8n + 2t + e % 2
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)
@@ -334,8 +342,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 fragment(a, s, kk)
                 for np2 in range(DVTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(do_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
-                    mma_into(dv_acc, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
-                    mma_into(dv_acc, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+                    mma_into(dv_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dv_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
                 fragment(a, dp, kk)
                 st_shared_b32(ds_s, key0 + g, 16 * kk + 2 * t, a[0])
                 st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 2 * t, a[1])
@@ -343,14 +351,15 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 8 + 2 * t, a[3])
                 for np2 in range(DTILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(q_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
-                    mma_into(dk_acc, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
-                    mma_into(dk_acc, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+                    mma_into(dk_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dk_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
             cuda.syncthreads()  # dSᵀ complete
 
             # dQ += scale · dS K: A fragments of dS read transposed from dSᵀ, B fragments of K transposed
-            for n in range(DQ_ACC):
-                for e in range(4):
-                    dq_acc[n, e] = _ZERO
+            for mt in range(DQ_MTILES):
+                for n in range(DQ_TILES):
+                    for e in range(4):
+                        dq_acc[mt, n, e] = _ZERO
             for kk in range(NSTEPS):
                 for mt in range(DQ_MTILES):
                     dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3] = ldmatrix_x4_trans(
@@ -358,11 +367,11 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 for np2 in range(DQ_TILES // 2):
                     b0, b1, b2, b3 = ldmatrix_x4_trans(k_s, 16 * kk + mrow + 8 * (mat % 2), dq_col0 + 16 * np2 + 8 * (mat // 2))
                     for mt in range(DQ_MTILES):
-                        mma_into(dq_acc, mt * DQ_TILES + 2 * np2, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3], b0, b1)
-                        mma_into(dq_acc, mt * DQ_TILES + 2 * np2 + 1, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3],
+                        mma_into(dq_acc, mt, 2 * np2, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3], b0, b1)
+                        mma_into(dq_acc, mt, 2 * np2 + 1, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3],
                                  b2, b3)
             for mt in range(DQ_MTILES):
-                add_dq(dq, dq_acc, mt * DQ_TILES, DQ_TILES, b, h, m0 + dq_row0 + 16 * mt, dq_col0, seqlen_q, scale, g, t)
+                add_dq(dq, dq_acc, mt, DQ_TILES, b, h, m0 + dq_row0 + 16 * mt, dq_col0, seqlen_q, scale, g, t)
 
         store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
         store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, _ONE, g, t)

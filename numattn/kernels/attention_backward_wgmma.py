@@ -29,6 +29,7 @@ from numba import float32, uint16, uint32
 
 from .._cuda import cuda
 from .attention_backward_mma import gradient_steps
+from .online_softmax import p_fragments
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -36,13 +37,10 @@ from .ptx import (
     bulk_reduce_add_f32,
     bulk_wait,
     bulk_wait_read,
-    cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
     fence_proxy_async,
     fence_registers,
-    pack_bf16x2,
-    pack_f16x2,
     wgmma_commit,
     wgmma_fence,
     wgmma_rs_bf16,
@@ -134,23 +132,12 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
     ROWS_OFF = 32 * VIEW_ROWS  # float32 elements after the view: per stage, rows of lse2 and delta
     DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tile
     DQ_ROW = D + DQ_PAD
-    ROW_CHUNKS = BLOCK_M // 4
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
-    pack = pack_bf16x2 if bf16 else pack_f16x2
     narrow = NARROW[dtype]
     copy_tile = tile_copier(NUM_THREADS, sw128_cell)
-    to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype)
-
-    @cuda.jit(device=True, inline="always")
-    def fragments(a, c):
-        """A fragments of every k-step (``a[kk, 0..3]``) from the accumulator tiles ``2kk``, ``2kk + 1``."""
-        for kk in range(MSTEPS):
-            n = 2 * kk
-            a[kk, 0] = pack(c[n, 0], c[n, 1])
-            a[kk, 1] = pack(c[n, 2], c[n, 3])
-            a[kk, 2] = pack(c[n + 1, 0], c[n + 1, 1])
-            a[kk, 3] = pack(c[n + 1, 2], c[n + 1, 3])
+    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
+    fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
 
     @cuda.jit(device=True)
     def load_query_tile(view, rows_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
@@ -158,13 +145,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
         rows of lse2 and delta."""
         copy_tile(view, Q_ROW0 + stage * Q_ROWS, BLOCK_M, q, b, h, m0, seqlen_q, D)
         copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, b, h, m0, seqlen_q, DV)
-        rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
-        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
-            c = 4 * (i % ROW_CHUNKS)
-            if i < ROW_CHUNKS:
-                cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)
-            else:
-                cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
+        copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
 
     def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -197,16 +178,16 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             load_query_tile(view, rows_f, 0, q, do, lse2, delta, b, h_kv * group_size, m_first, seqlen_q)
         cp_async_commit()
 
-        dk_acc = cuda.local.array((DTILES, 4), float32)
-        dv_acc = cuda.local.array((DVTILES, 4), float32)
+        dk_acc = cuda.local.array((1, DTILES, 4), float32)
+        dv_acc = cuda.local.array((1, DVTILES, 4), float32)
         for n in range(DTILES):
             for e in range(4):
-                dk_acc[n, e] = 0.0
+                dk_acc[0, n, e] = 0.0
         for n in range(DVTILES):
             for e in range(4):
-                dv_acc[n, e] = 0.0
-        s = cuda.local.array((MTILES, 4), float32)
-        dp = cuda.local.array((MTILES, 4), float32)
+                dv_acc[0, n, e] = 0.0
+        s = cuda.local.array((1, MTILES, 4), float32)
+        dp = cuda.local.array((1, MTILES, 4), float32)
         dq_acc = cuda.local.array((DQ_TILES, 4), float32)
         p_frag = cuda.local.array((MSTEPS, 4), uint32)
         ds_frag = cuda.local.array((MSTEPS, 4), uint32)
@@ -271,7 +252,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             for n in range(MTILES):
                 for e in range(4):
                     row, col = sw128_cell(DS_ROW0, BLOCK_M, 8 * n + 2 * t + e % 2, key0 + 8 * (e // 2))
-                    view[row, col + g] = narrow(dp[n, e])
+                    view[row, col + g] = narrow(dp[0, n, e])
             fence_proxy_async()
             cuda.syncthreads()  # dS complete
             wgmma_wait(0)  # dV, dK: their A fragments' registers are free again
