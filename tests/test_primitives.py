@@ -263,3 +263,20 @@ def test_named_barriers_take_turns(where):
     order = cuda.to_device(np.full(8, -1, np.int32))
     turns_kernel[1, 64](order)
     assert order.copy_to_host().tolist() == [0, 1] * 4
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_bulk_reductions_add_staged_rows(rng, where):
+    """cp.reduce.async.bulk .add.f32 from padded shared rows into global rows, twice over the same staging."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("bulk reductions need sm_90")
+    from numba import cuda
+    from warp_kernels import bulk_reduce_kernel
+
+    src = rng.standard_normal((32, 16)).astype(np.float32)
+    start = rng.standard_normal((32, 16)).astype(np.float32)
+    dst = cuda.to_device(start)
+    bulk_reduce_kernel[1, 32](cuda.to_device(src), dst)
+    np.testing.assert_allclose(dst.copy_to_host(), start + 3 * src, rtol=1e-6, atol=1e-6)

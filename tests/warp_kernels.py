@@ -8,6 +8,10 @@ from numattn.kernels.ptx import (
     ballot,
     barrier_arrive,
     barrier_sync,
+    bulk_commit,
+    bulk_reduce_add_f32,
+    bulk_wait,
+    bulk_wait_read,
     cp_async_16,
     cp_async_commit,
     cp_async_mbarrier_arrive,
@@ -218,3 +222,22 @@ def turns_kernel(order):
             order[position[0]] = warp
             position[0] += 1
         barrier_arrive(1 + (1 - warp), 64)
+
+
+@cuda.jit
+def bulk_reduce_kernel(src, dst):
+    """Each of 32 threads stages src[i, :] (float32) in a padded shared row, then adds the row to dst[i, :]
+    with one bulk reduction; twice, the second after the first has read the staged rows."""
+    staged = cuda.shared.array(640, float32)  # 32 rows of 16 floats, padded to 80 bytes
+    i = cuda.threadIdx.x
+    for rep in range(2):
+        if rep:
+            bulk_wait_read(0)
+        for c in range(16):
+            staged[20 * i + c] = src[i, c] * (rep + 1)
+        fence_proxy_async()
+        cuda.syncthreads()
+        bulk_reduce_add_f32(dst, (i, 0), staged, 20 * i, 64)
+        bulk_commit()
+        cuda.syncthreads()
+    bulk_wait(0)
