@@ -49,7 +49,8 @@ def backward_config(dtype, head_dim, head_dim_v, device=0):
 def _copyable_rows(x):
     """``x``, or a contiguous copy where its rows are unfit for 16-byte copies (a strided last axis, rows
     not 16-byte aligned)."""
-    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    rows_aligned = all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned
     return x if aligned else x.contiguous()
 
 
@@ -68,8 +69,9 @@ def _launch(kernel, label, grid, threads, shared_bytes, arrays, scalars, stream)
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal, scale):
-    """``(dq, dk, dv)`` (float32, or dk and dv in the inputs' dtype on tensor cores) for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o,
-    do`` of one dtype (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]."""
+    """``(dq, dk, dv)`` for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o, do`` of one dtype
+    (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: dq in float32, dk and dv in the
+    inputs' dtype on tensor cores and in float32 on CUDA cores."""
     import torch
 
     if not SIMULATOR and not q.is_cuda:  # host tensors on a GPU machine: computed on the GPU, as the forward is
