@@ -103,17 +103,23 @@ def bench_attention(shapes, dtypes=("float16", "bfloat16", "float32"), causals=(
                 impls = {"numattn": lambda: numattn.attention(q, k, v, causal=causal)}
                 for name, backend in _sdpa_backends(torch).items():
                     impls[name] = lambda backend=backend: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal)
-                for name, fn in impls.items():
-                    try:
-                        ms = cuda_time_ms(fn)
-                    except RuntimeError as exc:  # an SDPA backend that does not support this case
-                        row[f"{name}_ms"] = None
-                        row[f"{name}_error"] = str(exc).splitlines()[0][:80]
-                        continue
-                    row[f"{name}_ms"] = ms
-                    row[f"{name}_tflops"] = flops / ms / 1e9
+                _time_into(row, impls, flops)
                 rows.append(row)
     return rows
+
+
+def _time_into(row, impls, flops, repeat=20):
+    """``row[<name>_ms]`` and ``row[<name>_tflops]`` for each ``name: fn`` of ``impls`` (``cuda_time_ms``);
+    an implementation that raises (an SDPA backend that does not support the case) gets None and its error."""
+    for name, fn in impls.items():
+        try:
+            ms = cuda_time_ms(fn, repeat=repeat)
+        except RuntimeError as exc:
+            row[f"{name}_ms"] = None
+            row[f"{name}_error"] = str(exc).splitlines()[0][:80]
+            continue
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flops / ms / 1e9
 
 
 def _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal):
@@ -378,15 +384,7 @@ def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, Tru
             for name, backend in _sdpa_backends(torch).items():
                 impls[name] = lambda backend=backend: step(
                     lambda q, k, v: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal))
-            for name, fn in impls.items():
-                try:
-                    ms = cuda_time_ms(fn, repeat=10)
-                except RuntimeError as exc:  # an SDPA backend that does not support this case
-                    row[f"{name}_ms"] = None
-                    row[f"{name}_error"] = str(exc).splitlines()[0][:80]
-                    continue
-                row[f"{name}_ms"] = ms
-                row[f"{name}_tflops"] = flops / ms / 1e9
+            _time_into(row, impls, flops, repeat=10)
             row["numattn_fwd_ms"] = cuda_time_ms(
                 lambda: numattn.attention(q.detach(), k.detach(), v.detach(), causal=causal, return_lse=True), repeat=10)
             rows.append(row)

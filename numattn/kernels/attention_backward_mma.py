@@ -46,7 +46,7 @@ from .ptx import (
     pack_f16x2,
     st_shared_b32,
 )
-from .tiles import NARROW, PAD, row_major_cell, tile_copier, tile_view
+from .tiles import NARROW, PAD, key_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -235,6 +235,17 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
         )
 
     @cuda.jit(device=True, inline="always")
+    def keys_times_queries(c, keys_s, queries_s, steps, key0, mat, mrow):
+        """``c[0] += X Yᵀ`` over ``steps`` k-steps: A fragments of the warp's 16 rows of ``keys_s`` (from
+        ``key0``), B fragments of two n8 tiles of ``queries_s`` rows per ``ldmatrix``."""
+        for ks in range(steps):
+            a0, a1, a2, a3 = ldmatrix_x4(keys_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
+            for np2 in range(MTILES // 2):
+                b0, b1, b2, b3 = ldmatrix_x4(queries_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                mma_into(c, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
+                mma_into(c, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+
+    @cuda.jit(device=True, inline="always")
     def fragment(a, c, kk):
         """A fragment of k-step ``kk`` from accumulator tiles ``2kk`` and ``2kk + 1``, into ``a[0..3]`` (one
         k-step at a time: at 255 registers there is no room for all of them, as the wgmma kernel keeps)."""
@@ -258,13 +269,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group = heads // heads_kv
-        # a head's key blocks are neighbours in the grid, so they run together and the dQ rows they all add
-        # to stay in L2; the first key block, the longest under causal masking, first
-        key_blocks = (seqlen_kv + BLOCK_N - 1) // BLOCK_N
-        n0 = (cuda.blockIdx.x % key_blocks) * BLOCK_N
-        b, h_kv = (cuda.blockIdx.x // key_blocks) // heads_kv, (cuda.blockIdx.x // key_blocks) % heads_kv
-        m_first = max(0, n0 - diagonal) // BLOCK_M * BLOCK_M if CAUSAL else 0
-        m_tiles = max(0, (seqlen_q - m_first + BLOCK_M - 1) // BLOCK_M)
+        b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
         n_iters = group * m_tiles  # (query head, query tile) pairs, head-major
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -320,18 +325,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 for e in range(4):
                     s[0, n, e] = _ZERO
                     dp[0, n, e] = _ZERO
-            for ks in range(KSTEPS):
-                a0, a1, a2, a3 = ldmatrix_x4(k_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
-                for np2 in range(MTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(q_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
-                    mma_into(s, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
-                    mma_into(s, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
-            for ks in range(VSTEPS):
-                a0, a1, a2, a3 = ldmatrix_x4(v_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
-                for np2 in range(MTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4(do_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
-                    mma_into(dp, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
-                    mma_into(dp, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+            keys_times_queries(s, k_s, q_s, KSTEPS, key0, mat, mrow)
+            keys_times_queries(dp, v_s, do_s, VSTEPS, key0, mat, mrow)
 
             # Pᵀ and dSᵀ in place; entry e of tile n: key g + 8·(e // 2), query column 8n + 2t + e % 2
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)

@@ -49,7 +49,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from .tiles import NARROW, sw128_cell, tile_copier, tile_view
+from .tiles import NARROW, key_block, sw128_cell, tile_copier, tile_view
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 STAGES = 2
@@ -155,13 +155,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group_size = heads // heads_kv
-        # a head's key blocks are neighbours in the grid, so they run together and the dQ rows they all add
-        # to stay in L2; the first key block, the longest under causal masking, first
-        key_blocks = (seqlen_kv + BLOCK_N - 1) // BLOCK_N
-        n0 = (cuda.blockIdx.x % key_blocks) * BLOCK_N
-        b, h_kv = (cuda.blockIdx.x // key_blocks) // heads_kv, (cuda.blockIdx.x // key_blocks) % heads_kv
-        m_first = max(0, n0 - diagonal) // BLOCK_M * BLOCK_M if CAUSAL else 0
-        m_tiles = max(0, (seqlen_q - m_first + BLOCK_M - 1) // BLOCK_M)
+        b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
         n_iters = group_size * m_tiles  # (query head, query tile) pairs, head-major
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32

@@ -10,7 +10,8 @@
 * ``swizzled_rows``, ``tile_row_elems`` and ``tile_col`` lay out 16-bit tiles that
   ``cp.async`` fills and ``ldmatrix`` reads: unpadded rows with 16-byte chunks
   XOR-swizzled by row where the row allows it, padded rows elsewhere.
-* ``query_block`` maps a thread block to its (batch, head, query rows).
+* ``query_block`` maps a thread block to its (batch, head, query rows); ``key_block``
+  maps a backward block to its (batch, key/value head, key rows, query tiles).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
 """
@@ -178,3 +179,24 @@ def query_block(q, k, block_m, causal):
     if causal:
         n_end = min(seqlen_kv, m0 + block_m + seqlen_kv - seqlen_q)
     return b, h, h // (heads_q // heads_kv), m0, n_end
+
+
+@cuda.jit(device=True)
+def key_block(q, k, block_n, block_m, causal):
+    """``(b, h_kv, n0, m_first, m_tiles)`` of the calling thread block of an attention backward.
+
+    The grid has ``cdiv(seqlen_kv, block_n) · batch · heads_kv`` blocks; this one
+    owns keys ``n0 .. n0 + block_n`` of batch ``b``, key/value head ``h_kv``, and
+    must visit the ``m_tiles`` query tiles of ``block_m`` rows from row
+    ``m_first`` on (under causal masking, the first that holds a row seeing key
+    ``n0``). A head's key blocks are neighbours in the grid, so that they run
+    together (the dQ rows they all add to stay in L2), the first key block, the
+    longest under causal masking, first.
+    """
+    heads_kv, seqlen_q, seqlen_kv = k.shape[1], q.shape[2], k.shape[2]
+    key_blocks = (seqlen_kv + block_n - 1) // block_n
+    n0 = (cuda.blockIdx.x % key_blocks) * block_n
+    pair = cuda.blockIdx.x // key_blocks
+    m_first = max(0, n0 - (seqlen_kv - seqlen_q)) // block_m * block_m if causal else 0
+    m_tiles = max(0, (seqlen_q - m_first + block_m - 1) // block_m)
+    return pair // heads_kv, pair % heads_kv, n0, m_first, m_tiles
