@@ -234,8 +234,10 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
 
 
 def bench_decode_host_overhead():
-    """Host µs per call of decode and paged_decode on a tiny cache (B1 Hq8 Hkv2 L256 D128 fp16), next to
-    torch SDPA and a plain torch op; tiny, so that the GPU never holds the host back."""
+    """Host µs per call of decode and paged_decode on a tiny cache (B1 Hq8 Hkv2 L256 D128 fp16, one launch
+    without key splits), of decode on W3 (key splits merged in the same launch), next to torch SDPA and a
+    plain torch op. Rounds of 50 calls queue less GPU work than the launch queue holds, so the GPU never
+    holds the host back."""
     torch = _torch()
     import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -246,8 +248,12 @@ def bench_decode_host_overhead():
     k_pages, v_pages, table = paged_copy(torch, k, v, 16)
     a = torch.randn(16, device="cuda")
     q4 = q.unsqueeze(2)
+    batch, heads_q, heads_kv, length, dim, _ = DECODE_SHAPES[2]
+    q_w3 = torch.randn(batch, heads_q, dim, device="cuda", dtype=torch.float16)
+    k_w3, v_w3 = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=torch.float16) for _ in range(2))
     return {
         "numattn.decode": host_overhead_us(lambda: numattn.decode(q, k, v, check=False)),
+        "numattn.decode, W3 (split)": host_overhead_us(lambda: numattn.decode(q_w3, k_w3, v_w3, check=False)),
         "numattn.decode, seqlens": host_overhead_us(lambda: numattn.decode(q, k, v, seqlens=lengths, check=False)),
         "numattn.paged_decode": host_overhead_us(
             lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False)

@@ -194,6 +194,25 @@ def test_decode_cuda_graph_capture(rng):
         assert max_error(out, reference.decode(q, k, v, seqlens=lengths)) <= ATOL["float16"]
 
 
+@pytest.mark.gpu
+def test_decode_split_workspace_shared_across_plans_and_streams(rng):
+    """Split plans of different sizes take turns on one stream's workspace (which grows) and on a second
+    stream's; each launch's last blocks must find the counters at zero and leave them so."""
+    cases = [(1, 32, 8, 8192, 128), (2, 16, 2, 3000, 64), (1, 8, 1, 20000, 128), (1, 32, 8, 8192, 128)]
+    tensors = []
+    for batch, heads_q, heads_kv, length, dim in cases:
+        q = torch.randn(batch, heads_q, dim, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=torch.float16) for _ in range(2))
+        tensors.append((q, k, v, reference.decode(q, k, v)))
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side, torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            outputs = [numattn.decode(q, k, v, check=False) for q, k, v, _ in tensors for _ in range(3)]
+        stream.synchronize()
+        for i, out in enumerate(outputs):
+            assert max_error(out, tensors[i // 3][3]) <= ATOL["float16"]
+
+
 def test_decode_from_numpy_and_numba(rng):
     """Host arrays (on a GPU machine copied to the device and back) and numba device arrays."""
     from numba import cuda

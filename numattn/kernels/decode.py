@@ -4,9 +4,11 @@ Decode is memory-bound: every K/V byte should be read once, at full bandwidth.
 A block owns one (batch, KV head, split of the keys) and a chunk of that KV
 head's group of query rows (query heads × new tokens), so all those rows share
 each K/V load. With one split the block writes the output; with several it
-writes an fp32 partial output and its log2-sum-exp per split, and
-``combine_kernel`` merges them (``merge_kernel`` is the same merge for two
-states given by the user).
+writes an fp32 partial output and its log2-sum-exp per split, and the last
+block of a row chunk to finish merges them (a counter per row chunk, set back
+to 0 by that block). ``combine_kernel`` is the same merge as a kernel of its own
+for other kernels' splits, ``merge_kernel`` the merge of two states given by
+the user.
 
 * ``decode_mma_kernel`` (fp16/bf16, head dims multiples of 16, aligned rows):
   the rows are the 16 M rows of ``mma.sync`` products; each warp streams its
@@ -29,7 +31,7 @@ import functools
 import math
 
 import numpy as np
-from numba import float32, int32, uint16, uint32
+from numba import float32, int32, uint16, uint32, uint64
 
 from .._cuda import cuda
 from .online_softmax import softmax_steps
@@ -79,31 +81,117 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
 
 MAX_SPLITS = 64  # key splits per row at most (the combine keeps a weight per row and split)
 MERGE_ELEMS = 4  # output elements per thread whose partials the combine loads together
-MERGE_SPLITS = 4  # ... and splits
+MERGE_SPLITS = 8  # ... and splits
+
+
+def _row_head(group, seqlen_q):
+    """Device function ``row_head(h_kv, row0, r)``: ``(query head, new token)`` of row ``row0 + r``
+    of KV head ``h_kv``'s group of rows (query heads × new tokens)."""
+    G, SQ = group, seqlen_q
+
+    @cuda.jit(device=True, inline="always")
+    def row_head(h_kv, row0, r):
+        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
+
+    return row_head
+
+
+def _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
+    """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0)``: the output
+    (and natural-log LSE) of rows ``row0 .. row0 + rows`` of KV head ``h_kv`` from every split's fp32
+    partial output and log2-sum-exp; every thread of the block takes part. ``weight_s`` is a
+    float32 ``(rows, MAX_SPLITS)`` shared-memory scratch array.
+
+    A warp per row turns the splits' log2-sum-exps into weights, then each thread
+    sums the weighted partials of ``MERGE_ELEMS`` outputs, ``MERGE_SPLITS`` splits
+    at a time, all those loads in flight together. Indices are unsigned: numba
+    then emits neither negative-index wrapping nor floor-division fix-ups, which
+    keeps this once-per-block code short (its instructions are fetched cold).
+    """
+    U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
+    DV, G, SQ, ROWS, WRITE_LSE = U(head_dim_v), U(group), U(seqlen_q), U(rows), write_lse
+    ELEMS, SPLITS, ONE, WARP = U(MERGE_ELEMS), U(MERGE_SPLITS), U(1), U(32)
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, inline="always")
+    def merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0):
+        ub, first_row, first_head = uint64(b), uint64(row0), uint64(h_kv) * G
+        n_rows = min(ROWS, G * SQ - first_row)
+        tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
+        warp, lane = tid // WARP, tid % WARP
+        splits = uint64(lse_part.shape[3])
+        for r in range(warp, n_rows, step // WARP):
+            h, i = first_head + (first_row + r) // SQ, (first_row + r) % SQ
+            l0 = lse_part[ub, h, i, lane] if lane < splits else _NEG_INF  # MAX_SPLITS = 64: two per lane
+            l1 = lse_part[ub, h, i, lane + WARP] if lane + WARP < splits else _NEG_INF
+            m_all = max(l0, l1)
+            for offset in (16, 8, 4, 2, 1):
+                m_all = max(m_all, shfl_xor_f32(m_all, offset))
+            w0, w1 = _ZERO, _ZERO
+            if m_all != _NEG_INF:
+                w0, w1 = ex2_approx(l0 - m_all), ex2_approx(l1 - m_all)
+            total = w0 + w1
+            for offset in (16, 8, 4, 2, 1):
+                total += shfl_xor_f32(total, offset)
+            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
+            weight_s[r, lane] = w0 * scale  # 0 past the last split
+            weight_s[r, lane + WARP] = w1 * scale
+            if WRITE_LSE and lane == 0:
+                lse[ub, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+        cuda.syncthreads()
+        # Loads clamp their split and output indices instead of branching (a clamped split's weight is 0,
+        # a clamped output is not stored): short, branch-free code with every load in flight.
+        values = cuda.local.array((MERGE_ELEMS, MERGE_SPLITS), float32)
+        sums = cuda.local.array(MERGE_ELEMS, float32)
+        n_out = n_rows * DV
+        for base in range(tid, n_out, ELEMS * step):
+            for e in range(MERGE_ELEMS):
+                sums[e] = _ZERO
+            for s0 in range(U(0), splits, SPLITS):
+                for e in range(MERGE_ELEMS):
+                    idx = min(base + uint64(e) * step, n_out - ONE)
+                    r, col = idx // DV, idx % DV
+                    h, i = first_head + (first_row + r) // SQ, (first_row + r) % SQ
+                    for u in range(MERGE_SPLITS):
+                        values[e, u] = o_part[ub, h, i, min(s0 + uint64(u), splits - ONE), col]
+                for e in range(MERGE_ELEMS):
+                    r = min(base + uint64(e) * step, n_out - ONE) // DV
+                    for u in range(MERGE_SPLITS):  # s0 + u < MAX_SPLITS, a multiple of MERGE_SPLITS
+                        sums[e] += values[e, u] * weight_s[r, s0 + uint64(u)]
+            for e in range(MERGE_ELEMS):
+                idx = base + uint64(e) * step
+                if idx < n_out:
+                    r, col = idx // DV, idx % DV
+                    o[ub, first_head + (first_row + r) // SQ, (first_row + r) % SQ, col] = narrow(sums[e])
+
+    return merge_splits
 
 
 def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
-    """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)``.
+    """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)``.
 
     Merges the softmax states ``(m_s[w, r], l_s[w, r], acc_s[w · rows + r, :])``
     (log2 domain, unnormalized) of a block's warps for each of its rows and
     writes the normalized output and LSE, or, with ``split``, the split's fp32
-    partial output and log2-sum-exp. The weights of each row are computed once
-    (into ``m_s``). Call after a barrier; every thread takes part.
+    partial output and log2-sum-exp; the weights of each row are computed once
+    (into ``m_s``). With ``split``, the last block of a row chunk to finish (the
+    one that takes ``counters[b, blockIdx.y]`` to the number of splits) then
+    merges every split's partials into the output and sets the counter back to
+    0, so that no second kernel is needed (``weight_s``: its scratch array, see
+    ``_split_merger``; it may alias ``acc_s``). Call after a barrier; every thread
+    takes part.
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
     narrow = NARROW[dtype]
+    row_head = _row_head(group, seqlen_q)
+    merge_splits = _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
 
     @cuda.jit(device=True, inline="always")
-    def row_head(h_kv, row0, r):
-        """``(query head, new token)`` of row ``r`` of the block's rows."""
-        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
-
-    @cuda.jit(device=True, inline="always")
-    def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split):
+    def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0):
         warps = m_s.shape[0]
         n_rows = min(ROWS, G * SQ - row0)
         tid = cuda.threadIdx.x
+        split = cuda.blockIdx.x
         if tid < n_rows:  # the warps' weights of each row: m_s[w, r] becomes exp2(m_w - m) / l
             r = tid
             m_all = m_s[0, r]
@@ -132,21 +220,35 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
                 o_part[b, h, i, split, col] = value
             else:
                 o[b, h, i, col] = narrow(value)
+        if SPLIT:
+            # Each thread's partials are visible device-wide before the block takes its ticket;
+            # the block that draws the last ticket sees every split's partials.
+            cuda.threadfence()
+            cuda.syncthreads()
+            last = 0
+            if tid == 0 and cuda.atomic.add(counters, (b, cuda.blockIdx.y), 1) == cuda.gridDim.x - 1:
+                last = 1
+            if cuda.syncthreads_or(last):
+                cuda.threadfence()
+                merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0)
+                if tid == 0:
+                    counters[b, cuda.blockIdx.y] = 0  # ready for the next launch
 
     return finish
 
 
 @functools.lru_cache(maxsize=None)
 def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has_seqlens, split, write_lse, vector_loads):
-    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2)``.
+    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2)``.
 
     q ``[B, Hq, Sq, D]``, o ``[B, Hq, Sq, Dv]`` (storage dtype: 16-bit floats as
     uint16), k ``[pages, Hkv, page_size, D]``, v alike with Dv, page_table
     ``[B, max_pages]`` int32 (when ``paged``), seqlens ``[B]`` int32 (when
     ``has_seqlens``; else every sequence fills its page), lse ``[B, Hq, Sq]``
     float32 (when ``write_lse`` and not ``split``), o_part ``[B, Hq, Sq, S, Dv]``
-    and lse_part ``[B, Hq, Sq, S]`` float32 (when ``split``; ``combine_kernel``
-    then merges them). Query head
+    and lse_part ``[B, Hq, Sq, S]`` float32 and counters ``[B, Hkv · cdiv(group · Sq, rows)]``
+    int32, zero at launch and left zero (when ``split``: the last block of a row chunk merges
+    the splits). Query head
     ``h`` reads KV head ``h // group``; query token ``i`` of ``Sq`` sees keys
     ``t <= seqlen - Sq + i``. Grid ``(S, Hkv · cdiv(group · Sq, rows), B)``,
     ``NUM_THREADS`` threads.
@@ -167,6 +269,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
     widen = WIDEN[dtype]
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse)
+    WEIGHT_SHAPE = (ROWS, MAX_SPLITS) if split else (1, 1)  # the merge's scratch (used only with splits)
 
     @cuda.jit(device=True, inline="always")
     def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
@@ -231,7 +334,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                 for x in range(VW):
                     acc[r, x] += p * v_row[x]
 
-    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
+    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2):
         b = cuda.blockIdx.z
         h_kv = cuda.blockIdx.y // ROW_CHUNKS
         row0 = (cuda.blockIdx.y % ROW_CHUNKS) * ROWS  # first row (g · SQ + i) of the group
@@ -310,86 +413,29 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                     for e in range(CHUNK):
                         acc_s[warp * ROWS + r, (sub + LANES * j) * CHUNK + e] = acc[r, j * CHUNK + e]
         cuda.syncthreads()
-        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)
+        weight_s = cuda.shared.array(WEIGHT_SHAPE, float32)
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)
 
     return cuda.jit(kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
-    """Numba kernel ``kernel(o_part, lse_part, o, lse)``: merge the splits of a split ``decode_kernel``.
+    """Numba kernel ``kernel(o_part, lse_part, o, lse)``: merge the splits that other kernels wrote.
 
     o_part ``[B, Hq, Sq, S, Dv]`` and lse_part ``[B, Hq, Sq, S]`` (log2 domain,
-    ``S <= MAX_SPLITS``) as the decode kernel wrote them; o ``[B, Hq, Sq, Dv]``
-    storage dtype, lse natural log. Grid ``(Hkv · cdiv(group · Sq, rows), B)``
-    of ``NUM_THREADS`` threads: a block takes the rows that one decode block
-    took. A warp per row turns the splits' log2-sum-exps into weights, then
-    each thread sums the weighted partials of ``MERGE_ELEMS`` outputs,
-    ``MERGE_SPLITS`` splits at a time, all those loads in flight together.
+    ``S <= MAX_SPLITS``); o ``[B, Hq, Sq, Dv]`` storage dtype, lse natural log.
+    Grid ``(Hkv · cdiv(group · Sq, rows), B)`` of ``NUM_THREADS`` threads, a
+    block per chunk of ``rows`` rows of a KV head's group. (The decode kernels
+    merge their own splits in their last block.)
     """
-    DV, G, SQ, ROWS, WRITE_LSE = head_dim_v, group, seqlen_q, rows, write_lse
-    ROW_CHUNKS = -(-(G * SQ) // ROWS)
-    narrow = NARROW[dtype]
-
-    @cuda.jit(device=True, inline="always")
-    def row_head(h_kv, row0, r):
-        """``(query head, new token)`` of row ``r`` of the block's rows."""
-        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
+    ROW_CHUNKS = -(-(group * seqlen_q) // rows)
+    merge_splits = _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
 
     def kernel(o_part, lse_part, o, lse):
-        b = cuda.blockIdx.y
-        h_kv = cuda.blockIdx.x // ROW_CHUNKS
-        row0 = (cuda.blockIdx.x % ROW_CHUNKS) * ROWS
-        n_rows = min(ROWS, G * SQ - row0)
-        weight_s = cuda.shared.array((ROWS, MAX_SPLITS), float32)
-        warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
-        splits = lse_part.shape[3]
-        for r in range(warp, n_rows, cuda.blockDim.x // 32):
-            h, i = row_head(h_kv, row0, r)
-            l0 = lse_part[b, h, i, lane] if lane < splits else _NEG_INF  # MAX_SPLITS = 64: two per lane
-            l1 = lse_part[b, h, i, lane + 32] if lane + 32 < splits else _NEG_INF
-            m_all = max(l0, l1)
-            for offset in (16, 8, 4, 2, 1):
-                m_all = max(m_all, shfl_xor_f32(m_all, offset))
-            w0, w1 = _ZERO, _ZERO
-            if m_all != _NEG_INF:
-                w0, w1 = ex2_approx(l0 - m_all), ex2_approx(l1 - m_all)
-            total = w0 + w1
-            for offset in (16, 8, 4, 2, 1):
-                total += shfl_xor_f32(total, offset)
-            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
-            if lane < splits:
-                weight_s[r, lane] = w0 * scale
-            if lane + 32 < splits:
-                weight_s[r, lane + 32] = w1 * scale
-            if WRITE_LSE and lane == 0:
-                lse[b, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
-        cuda.syncthreads()
-        values = cuda.local.array((MERGE_ELEMS, MERGE_SPLITS), float32)
-        step = cuda.blockDim.x
-        for base in range(cuda.threadIdx.x, n_rows * DV, MERGE_ELEMS * step):
-            sums = cuda.local.array(MERGE_ELEMS, float32)
-            for e in range(MERGE_ELEMS):
-                sums[e] = _ZERO
-            for s0 in range(0, splits, MERGE_SPLITS):  # MERGE_ELEMS · MERGE_SPLITS loads in flight
-                for e in range(MERGE_ELEMS):
-                    idx = base + e * step
-                    r, col = idx // DV, idx % DV
-                    h, i = row_head(h_kv, row0, r)
-                    for u in range(MERGE_SPLITS):
-                        if idx < n_rows * DV and s0 + u < splits:
-                            values[e, u] = o_part[b, h, i, s0 + u, col]
-                for e in range(MERGE_ELEMS):
-                    r = (base + e * step) // DV
-                    for u in range(MERGE_SPLITS):
-                        if base + e * step < n_rows * DV and s0 + u < splits:
-                            sums[e] += values[e, u] * weight_s[r, s0 + u]
-            for e in range(MERGE_ELEMS):
-                idx = base + e * step
-                if idx < n_rows * DV:
-                    r, col = idx // DV, idx % DV
-                    h, i = row_head(h_kv, row0, r)
-                    o[b, h, i, col] = narrow(sums[e])
+        h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows
+        weight_s = cuda.shared.array((rows, MAX_SPLITS), float32)
+        merge_splits(o_part, lse_part, o, lse, weight_s, cuda.blockIdx.y, h_kv, row0)
 
     return cuda.jit(kernel)
 
@@ -549,7 +595,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 for e in range(4):
                     s[0, nt, e] *= scale_log2
 
-    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
+    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2):
         smem = cuda.shared.array(0, uint16)
         b = cuda.blockIdx.z
         h_kv = cuda.blockIdx.y // ROW_CHUNKS
@@ -668,6 +714,9 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t] = acc[0, dt, 2 * half]
                 acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t + 1] = acc[0, dt, 2 * half + 1]
         cuda.syncthreads()
-        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, b, h_kv, row0, split)
+        # the merge's weights reuse the dynamic shared memory: no static array that would shift (and
+        # misalign) the swizzled tiles after the static ones
+        weight_s = tile_view(cuda.shared.array(0, float32), 0, MMA_ROWS, MAX_SPLITS)
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)
 
     return cuda.jit(kernel)

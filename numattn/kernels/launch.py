@@ -79,6 +79,12 @@ def array_fields(arrays):
     return fields, slots
 
 
+def zero_words(ptr, words, stream):
+    """Queue the zeroing of ``words`` 4-byte words at device address ``ptr`` on the raw stream handle ``stream``."""
+    if words:
+        _check(_driver.cuMemsetD32Async(ptr, 0, words, stream))
+
+
 LOADED = []
 """Every ``CompiledKernel`` loaded in this process, for resource reports."""
 
@@ -118,11 +124,14 @@ class CompiledKernel:
 
 class PreparedLaunch:
     """A kernel with its grid (an int or a tuple of up to three extents) and packed arguments; each call
-    rewrites the data pointers and launches.
+    writes the data pointers and launches.
 
     ``fields`` is the flattened argument list: Python ints fill 8-byte slots,
     ``np.float32`` values the low half of one. ``pointer_slots`` index the
-    fields that change between launches, in the order ``__call__`` takes them.
+    fields that change between launches, in the order ``__call__`` takes them;
+    those live in one small array of their own, written with one slice
+    assignment per launch (``cuLaunchKernel`` takes the address of each
+    argument, so the arguments need not be adjacent).
     """
 
     def __init__(self, kernel, grid, block, fields, pointer_slots):
@@ -134,12 +143,12 @@ class PreparedLaunch:
                 as_f32[2 * i] = field
             else:
                 self._values[i] = int(field) & 0xFFFFFFFFFFFFFFFF
-        self._slots = ctypes.cast(self._values.ctypes.data, ctypes.POINTER(ctypes.c_uint64))
-        # cuLaunchKernel takes an array holding the address of each argument
+        self._pointers = (ctypes.c_uint64 * len(pointer_slots))()
         self._addresses = np.uint64(self._values.ctypes.data) + np.arange(len(fields), dtype=np.uint64) * 8
+        for i, slot in enumerate(pointer_slots):
+            self._addresses[slot] = ctypes.addressof(self._pointers) + 8 * i
         self._params = self._addresses.ctypes.data
-        self._pointer_slots = tuple(pointer_slots)
-        self._lock = threading.Lock()  # the argument block is shared: fill and launch as one step
+        self._lock = threading.Lock()  # the pointers are shared: fill and launch as one step
         extents = (grid,) if isinstance(grid, int) else tuple(grid)
         grid_x, grid_y, grid_z = extents + (1,) * (3 - len(extents))
         self._launch = functools.partial(
@@ -148,10 +157,8 @@ class PreparedLaunch:
 
     def __call__(self, stream, *pointers):
         """Launch on the raw stream handle ``stream``."""
-        slots = self._slots
         with self._lock:
-            for slot, ptr in zip(self._pointer_slots, pointers):
-                slots[slot] = ptr
+            self._pointers[:] = pointers
             err = self._launch(stream, self._params, 0)[0]
             if err == _INVALID_CONTEXT:  # a thread with no current context (torch's autograd threads)
                 _check(_driver.cuCtxSetCurrent(self.kernel.context))

@@ -16,6 +16,7 @@ from numba import types
 
 from .._arrays import (
     FLOAT_DTYPES,
+    cai_stream,
     Operand,
     contiguous_strides,
     describe,
@@ -35,7 +36,6 @@ from ..kernels.decode import (
     MMA_ROWS,
     NUM_THREADS,
     WARPS,
-    combine_kernel,
     decode_geometry,
     decode_kernel,
     decode_mma_kernel,
@@ -43,7 +43,7 @@ from ..kernels.decode import (
     decode_mma_supported,
     merge_kernel,
 )
-from ..kernels.launch import array_fields, compiled, device_limits
+from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from .attention import LOG2E, MAX_HEAD_DIM, softmax_scale
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
@@ -327,11 +327,16 @@ class _Plan:
             self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, *common, self.stages)
         else:
             self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, *common, vector)
-        self.combine = combine_kernel(p.dtype, p.head_dim_v, group, p.seqlen_q, rows, p.return_lse) if self.split else None
         self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
+        self.counter_shape = self.grid[2:0:-1]  # [B, row chunks of every KV head]: the merge's tickets
         kind = f"mma stages={self.stages}" if self.stages else f"simt rows={rows} vector={vector}"
         self.label = (f"decode {kind} {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} "
                       f"paged={p.page_table is not None} splits={self.splits}")
+
+    @property
+    def workspace_shapes(self):
+        """Shapes of the split workspace's parts: fp32 partial outputs, their fp32 log2-sum-exps, int32 counters."""
+        return self.part_shape, self.part_shape[:4], self.counter_shape
 
     def arrays(self):
         """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""
@@ -346,7 +351,7 @@ class _Plan:
         return [
             (p.q.shape, p.q.strides, item), (p.k.shape, p.k.strides, item), (p.v.shape, p.v.strides, item),
             table, seq, (*p.out_view, item), array(p.lse_shape, p.return_lse),
-            array(self.part_shape, self.split), array(self.part_shape[:4], self.split),
+            *(array(shape, self.split) for shape in self.workspace_shapes),
         ]
 
 
@@ -360,30 +365,23 @@ class _DevicePlan(_Plan):
         argtypes = (
             types.Array(storage, 4, "A"), types.Array(storage, 4, "A"), types.Array(storage, 4, "A"),
             types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), types.Array(storage, 4, "A"),
-            types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), f32,
+            types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(i32, 2, "A"),
+            f32,
         )
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
-        arrays = self.arrays()
-        fields, slots = array_fields(arrays)
+        fields, slots = array_fields(self.arrays())
         fields.append(np.float32(p.scale * LOG2E))
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
-        self.launch_combine = None
-        if self.split:
-            ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
-                      types.Array(f32, 3, "A"))
-            combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
-            fields, slots = array_fields((arrays[7], arrays[8], arrays[5], arrays[6]))  # o_part, lse_part, o, lse
-            self.launch_combine = combine.prepare(self.grid[1:], NUM_THREADS, fields, slots)
-
-    def run(self, stream, q, k, v, table, seqlens, out, lse, part, part_lse):
-        """Launch on raw pointers (0 for absent arrays)."""
-        self.launch(stream, q, k, v, table, seqlens, out, lse, part, part_lse)
-        if self.launch_combine is not None:
-            self.launch_combine(stream, part, part_lse, out, lse)
+        sizes = [int(np.prod(shape)) for shape in self.workspace_shapes]
+        # workspace offsets in 4-byte words: counters first (they must start at zero), then the partials
+        self.counter_words = -(-sizes[2] // 4) * 4
+        self.workspace_words = self.counter_words + sizes[0] + sizes[1] if self.split else 0
+        self.part_lse_offset = 4 * sizes[0]  # bytes from the partial outputs to their log2-sum-exps
 
 
 class _TorchPlan(_DevicePlan):
-    """torch CUDA tensors, on torch's current stream; outputs and split workspaces from torch's allocator."""
+    """torch CUDA tensors, on torch's current stream; outputs from torch's allocator, the split workspace
+    from ``SplitWorkspaces``."""
 
     def __init__(self, p, splits=None):
         super().__init__(p, splits)
@@ -391,20 +389,59 @@ class _TorchPlan(_DevicePlan):
 
         self._torch = torch
         self._get_device, self._stream = torch_current()
-        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None,
-                                    self.part_shape if self.split else None)
+        self._single_device = torch.cuda.device_count() == 1
+        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
 
     def __call__(self, q, k, v, page_table, seqlens):
-        if self._get_device() != self.problem.device:
-            with self._torch.cuda.device(self.problem.device):
+        p = self.problem
+        if not self._single_device and self._get_device() != p.device:
+            with self._torch.cuda.device(p.device):
                 return self(q, k, v, page_table, seqlens)
-        out, lse, workspace, part, part_lse = self.outputs.allocate()  # workspace: referenced until queued
-        self.run(
-            self._stream(self.problem.device), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        out, lse, _, _, _ = self.outputs.allocate()
+        stream = self._stream(p.device)
+        part = part_lse = counters = 0
+        if self.split:
+            counters, part, workspace = SplitWorkspaces.get(self._torch, p.device, stream, self.counter_words,
+                                                            self.workspace_words)
+            part_lse = part + self.part_lse_offset
+        self.launch(
+            stream, q.data_ptr(), k.data_ptr(), v.data_ptr(),
             0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
-            out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse,
+            out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters,
         )
         return (out, lse) if lse is not None else out
+
+
+class SplitWorkspaces:
+    """Split-KV workspaces of torch launches, one per (device, stream).
+
+    A workspace is one int32 buffer: ``counter_words`` counters, zero when no
+    launch is running (each launch's merging blocks set theirs back to 0), then
+    room for partial results. Launches on one stream run in order, so every plan
+    on a stream shares its workspace; a larger need replaces it with a larger
+    zeroed one (torch's allocator reuses the old one only after the stream's
+    earlier work). While torch captures a CUDA graph each call gets its own
+    zeroed buffer, allocated (and its zeroing recorded) in the graph.
+    """
+
+    _buffers = {}  # (device, stream) -> (counters pointer, partials pointer, buffer, counter words, partial words)
+
+    @classmethod
+    def get(cls, torch, device, stream, counter_words, words):
+        """``(counters pointer, partials pointer, buffer)`` of a workspace with at least ``counter_words``
+        zero counters and ``words - counter_words`` words for partials after all of its counters; the buffer
+        must stay referenced until the launch is queued."""
+        if torch.cuda.is_current_stream_capturing():
+            buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
+            return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
+        entry = cls._buffers.get((device, stream))
+        if entry is None or entry[3] < counter_words or entry[4] < words - counter_words:
+            counters = max(counter_words, entry[3] if entry else 0)
+            rest = max(words - counter_words, entry[4] if entry else 0)
+            buffer = torch.zeros(counters + rest, dtype=torch.int32, device=torch.device("cuda", device))
+            pointer = buffer.data_ptr()
+            entry = cls._buffers[(device, stream)] = (pointer, pointer + 4 * counters, buffer, counters, rest)
+        return entry[0], entry[1], entry[2]
 
 
 class TorchOutputs:
@@ -436,19 +473,23 @@ class TorchOutputs:
 
 
 class _CaiPlan(_DevicePlan):
-    """Other device arrays (numba, CuPy, ``__cuda_array_interface__``): outputs allocated like q."""
+    """Other device arrays (numba, CuPy, ``__cuda_array_interface__``): outputs and split workspace allocated
+    like q, the workspace's counters zeroed on the launch's stream."""
 
     def __call__(self, q, k, v, page_table, seqlens):
         p = self.problem
         out = empty_device_like(q, p.out_shape, p.dtype, p.device)
         lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
-        part = part_lse = None
+        stream = cai_stream(q)
+        part = part_lse = counters = 0
         if self.split:
-            part = empty_device_like(q, self.part_shape, "float32", p.device)
-            part_lse = empty_device_like(q, self.part_shape[:4], "float32", p.device)
-        stream = q.__cuda_array_interface__.get("stream") or 0
+            workspace = empty_device_like(q, (self.workspace_words,), "float32", p.device)
+            counters = device_pointer(workspace)
+            zero_words(counters, self.counter_words, stream)
+            part = counters + 4 * self.counter_words
+            part_lse = part + self.part_lse_offset
         pointer = (lambda x: 0 if x is None else device_pointer(x))
-        self.run(stream, *(pointer(x) for x in (q, k, v, page_table, seqlens, out, lse, part, part_lse)))
+        self.launch(stream, *(pointer(x) for x in (q, k, v, page_table, seqlens, out, lse)), part, part_lse, counters)
         return (out, lse) if lse is not None else out
 
 
@@ -471,15 +512,15 @@ class _HostPlan(_Plan):
         out = np.empty(p.out_shape, storage_dtype(p.dtype))
         item = out.itemsize
         o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
-        lse, part, part_lse = (np.empty(shape, np.float32) for shape, _, _ in self.arrays()[6:9])
+        lse, part, part_lse = (np.empty(shape, np.float32) for shape in (p.lse_shape, *self.workspace_shapes[:2]))
+        counters = np.zeros(self.counter_shape, np.int32)
         table = views[3] if views[3] is not None else np.zeros((1, 1), np.int32)
         lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-        args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse)]
+        args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse,
+                                           counters)]
         self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
-        if self.split:
-            self.combine[self.grid[1:], NUM_THREADS](args[7], args[8], args[5], args[6])
         result = wrap_host(out, q, p.dtype)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
@@ -538,7 +579,9 @@ def _run(kind, validate, arrays, options, check):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     try:
-        key = (kind, *map(_signature, arrays), *[(type(o), o) for o in options])
+        q, k, v, table, lengths = arrays
+        key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths), *options,
+               *map(type, options))
         plan = _PLANS.get(key)  # hashes the key once
     except TypeError:  # an argument without a signature: validated and planned on every call
         key = plan = None
