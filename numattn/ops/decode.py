@@ -390,14 +390,18 @@ class _TorchPlan(_DevicePlan):
         self._torch = torch
         self._get_device, self._stream = torch_current()
         self._single_device = torch.cuda.device_count() == 1
-        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
+        one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
+        self._empty_like = torch.empty_like
+        self._out = one.expand(p.out_shape)  # templates that empty_like allocates like (the cheapest way)
+        self._lse = one.float().expand(p.lse_shape) if p.return_lse else None
 
     def __call__(self, q, k, v, page_table, seqlens):
         p = self.problem
         if not self._single_device and self._get_device() != p.device:
             with self._torch.cuda.device(p.device):
                 return self(q, k, v, page_table, seqlens)
-        out, lse, _, _, _ = self.outputs.allocate()
+        out = self._empty_like(self._out)
+        lse = self._empty_like(self._lse) if self._lse is not None else None
         stream = self._stream(p.device)
         part = part_lse = counters = 0
         if self.split:
@@ -410,6 +414,12 @@ class _TorchPlan(_DevicePlan):
             out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters,
         )
         return (out, lse) if lse is not None else out
+
+
+def _capturing_now(torch):
+    """Whether torch captures a CUDA graph on its current stream (torch's private fast path where it has one)."""
+    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+    return check() if check is not None else torch.cuda.is_current_stream_capturing()
 
 
 class SplitWorkspaces:
@@ -431,7 +441,7 @@ class SplitWorkspaces:
         """``(counters pointer, partials pointer, buffer)`` of a workspace with at least ``counter_words``
         zero counters and ``words - counter_words`` words for partials after all of its counters; the buffer
         must stay referenced until the launch is queued."""
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing_now(torch):
             buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
             return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
         entry = cls._buffers.get((device, stream))
@@ -604,7 +614,7 @@ def _capturing(p):
         return False
     import torch
 
-    return torch.cuda.is_current_stream_capturing()
+    return _capturing_now(torch)
 
 
 def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True):
