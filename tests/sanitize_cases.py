@@ -68,7 +68,7 @@ def run_mla_cases(rng):
 
 
 def run_split_cases(rng):
-    """The ``mma.sync`` kernel over runs of keys merged by the combine kernel, K stored as rows of keys or
+    """The ``mma.sync`` kernel over runs of keys merged by each query tile's last block, K stored as rows of keys or
     transposed (keys contiguous, the last run of 8 keys partial)."""
     from numattn.kernels.attention_mma import MmaConfig
     from numattn.ops.attention import _make_plan, _validate
@@ -144,7 +144,7 @@ if __name__ == "__main__":
     import sys
 
     rng = np.random.default_rng()
-    only = {"mla": run_mla_cases, "split": run_split_cases, "backward": run_backward_cases}
+    only = {"mla": run_mla_cases, "split": run_split_cases, "backward": run_backward_cases, "decode": run_decode_cases}
     if sys.argv[1:2] and sys.argv[1] in only:
         only[sys.argv[1]](rng)
         sys.exit()

@@ -31,6 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .decode import MAX_SPLITS, last_to_finish, split_merger
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -133,11 +134,14 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
 
-    With ``split`` the grid is ``(cdiv(Sq, block_m) · B · Hq, S)``: block
-    ``(x, s)`` visits the ``s``-th of S equal runs of key tiles, and ``o``,
-    ``lse`` are the float32 partials ``o_part [B, Hq, Sq, S, Dv]`` (normalized
-    within the split) and ``lse_part [B, Hq, Sq, S]`` (log2 domain) that
-    ``decode.combine_kernel`` merges.
+    With ``split`` the kernel is ``kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2)``
+    and the grid ``(cdiv(Sq, block_m) · B · Hq, S)``: block ``(x, s)`` visits the
+    ``s``-th of S equal runs of key tiles and writes the float32 partials
+    ``o_part [B, Hq, Sq, S, Dv]`` (normalized within the split) and
+    ``lse_part [B, Hq, Sq, S]`` (log2 domain); the last of a query tile's S blocks
+    to finish (``counters [1, cdiv(Sq, block_m) · B · Hq]`` int32, zero at launch
+    and left zero) merges them into ``o`` and ``lse``. Dynamic shared memory must
+    then also hold ``block_m · MAX_SPLITS`` floats.
     """
     BLOCK_M, BLOCK_N, NUM_THREADS = config.block_m, config.block_n, config.num_threads
     WARP_M, Q_IN_REGISTERS = config.warp_m, config.q_in_registers
@@ -163,6 +167,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
     store_partial = partial_store(WARP_M, DTILES)
+    merge_splits = split_merger(dtype, DV, 1, None, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
 
@@ -198,7 +203,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 q_s, warp_row0 + 16 * mt + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
             )
 
-    def kernel(q, k, v, o, lse, scale_log2):
+    @cuda.jit(device=True, inline="always")
+    def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
         smem = cuda.shared.array(0, uint16)
         q_s = tile_view(smem, 0, BLOCK_M, Q_ROW)
         seqlen_q, seqlen_kv = q.shape[2], v.shape[2]  # v: k may be given transposed
@@ -301,9 +307,20 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
         if SPLIT:
-            store_partial(o, lse, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
+            store_partial(o_part, lse_part, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
+            if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
+                # the stages are free (the loop ended with a barrier): the merge's weights take their place
+                weight_s = tile_view(cuda.shared.array(0, float32), 0, BLOCK_M, MAX_SPLITS)
+                merge_splits(o_part, lse_part, o, lse, weight_s, b, h, m0, min(BLOCK_M, seqlen_q - m0))
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
             store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
+
+    if SPLIT:
+        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
+            attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2)
+    else:
+        def kernel(q, k, v, o, lse, scale_log2):
+            attend(q, k, v, o, lse, o, lse, lse, scale_log2)  # the split arguments are unused
 
     return cuda.jit(kernel)

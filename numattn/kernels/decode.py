@@ -96,11 +96,37 @@ def _row_head(group, seqlen_q):
     return row_head
 
 
-def _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
-    """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0)``: the output
-    (and natural-log LSE) of rows ``row0 .. row0 + rows`` of KV head ``h_kv`` from every split's fp32
-    partial output and log2-sum-exp; every thread of the block takes part. ``weight_s`` is a
-    float32 ``(rows, MAX_SPLITS)`` shared-memory scratch array.
+@cuda.jit(device=True, inline="always")
+def last_to_finish(counters, i, j, tickets):
+    """Whether the calling block is the last of the ``tickets`` blocks that share ``counters[i, j]``
+    to get here (call once, from every thread; the counter starts at 0 and is left at 0).
+
+    Each thread's earlier global writes are made visible device-wide before the block takes its
+    ticket, so the block that draws the last ticket sees every other block's results.
+    """
+    cuda.threadfence()
+    cuda.syncthreads()
+    last = 0
+    if cuda.threadIdx.x == 0 and cuda.atomic.add(counters, (i, j), 1) == tickets - 1:
+        last = 1
+    if cuda.syncthreads_or(last):
+        cuda.threadfence()
+        if cuda.threadIdx.x == 0:
+            counters[i, j] = 0  # every block has its ticket: ready for the next launch
+        return True
+    return False
+
+
+def split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
+    """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, first_head, first_row, n_rows)``:
+    the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
+    and log2-sum-exp; every thread of the block takes part. ``weight_s`` is a float32
+    ``(rows, MAX_SPLITS)`` shared-memory scratch array.
+
+    Row ``r`` is query head ``first_head + (first_row + r) // seqlen_q``, new token
+    ``(first_row + r) % seqlen_q`` (the rows of a KV head's group, ``group`` heads of
+    ``seqlen_q`` tokens), or with ``seqlen_q`` None head ``first_head``, query row
+    ``first_row + r`` (a tile of one head's rows).
 
     A warp per row turns the splits' log2-sum-exps into weights, then each thread
     sums the weighted partials of ``MERGE_ELEMS`` outputs, ``MERGE_SPLITS`` splits
@@ -109,19 +135,25 @@ def _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
     keeps this once-per-block code short (its instructions are fetched cold).
     """
     U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
-    DV, G, SQ, ROWS, WRITE_LSE = U(head_dim_v), U(group), U(seqlen_q), U(rows), write_lse
+    DV, WRITE_LSE, ONE_HEAD = U(head_dim_v), write_lse, seqlen_q is None
+    SQ = U(1 if ONE_HEAD else seqlen_q)
     ELEMS, SPLITS, ONE, WARP = U(MERGE_ELEMS), U(MERGE_SPLITS), U(1), U(32)
     narrow = NARROW[dtype]
 
     @cuda.jit(device=True, inline="always")
-    def merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0):
-        ub, first_row, first_head = uint64(b), uint64(row0), uint64(h_kv) * G
-        n_rows = min(ROWS, G * SQ - first_row)
+    def row_head(first_head, first_row, r):
+        if ONE_HEAD:
+            return first_head, first_row + r
+        return first_head + (first_row + r) // SQ, (first_row + r) % SQ
+
+    @cuda.jit(device=True, inline="always")
+    def merge_splits(o_part, lse_part, o, lse, weight_s, b, head0, row0, rows_here):
+        ub, first_head, first_row, n_rows = uint64(b), uint64(head0), uint64(row0), uint64(rows_here)
         tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
         warp, lane = tid // WARP, tid % WARP
         splits = uint64(lse_part.shape[3])
         for r in range(warp, n_rows, step // WARP):
-            h, i = first_head + (first_row + r) // SQ, (first_row + r) % SQ
+            h, i = row_head(first_head, first_row, r)
             l0 = lse_part[ub, h, i, lane] if lane < splits else _NEG_INF  # MAX_SPLITS = 64: two per lane
             l1 = lse_part[ub, h, i, lane + WARP] if lane + WARP < splits else _NEG_INF
             m_all = max(l0, l1)
@@ -151,7 +183,7 @@ def _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
                 for e in range(MERGE_ELEMS):
                     idx = min(base + uint64(e) * step, n_out - ONE)
                     r, col = idx // DV, idx % DV
-                    h, i = first_head + (first_row + r) // SQ, (first_row + r) % SQ
+                    h, i = row_head(first_head, first_row, r)
                     for u in range(MERGE_SPLITS):
                         values[e, u] = o_part[ub, h, i, min(s0 + uint64(u), splits - ONE), col]
                 for e in range(MERGE_ELEMS):
@@ -162,7 +194,8 @@ def _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
                 idx = base + uint64(e) * step
                 if idx < n_out:
                     r, col = idx // DV, idx % DV
-                    o[ub, first_head + (first_row + r) // SQ, (first_row + r) % SQ, col] = narrow(sums[e])
+                    h, i = row_head(first_head, first_row, r)
+                    o[ub, h, i, col] = narrow(sums[e])
 
     return merge_splits
 
@@ -178,13 +211,13 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     one that takes ``counters[b, blockIdx.y]`` to the number of splits) then
     merges every split's partials into the output and sets the counter back to
     0, so that no second kernel is needed (``weight_s``: its scratch array, see
-    ``_split_merger``; it may alias ``acc_s``). Call after a barrier; every thread
+    ``split_merger``; it may alias ``acc_s``). Call after a barrier; every thread
     takes part.
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
     narrow = NARROW[dtype]
     row_head = _row_head(group, seqlen_q)
-    merge_splits = _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
 
     @cuda.jit(device=True, inline="always")
     def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0):
@@ -220,19 +253,8 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
                 o_part[b, h, i, split, col] = value
             else:
                 o[b, h, i, col] = narrow(value)
-        if SPLIT:
-            # Each thread's partials are visible device-wide before the block takes its ticket;
-            # the block that draws the last ticket sees every split's partials.
-            cuda.threadfence()
-            cuda.syncthreads()
-            last = 0
-            if tid == 0 and cuda.atomic.add(counters, (b, cuda.blockIdx.y), 1) == cuda.gridDim.x - 1:
-                last = 1
-            if cuda.syncthreads_or(last):
-                cuda.threadfence()
-                merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv, row0)
-                if tid == 0:
-                    counters[b, cuda.blockIdx.y] = 0  # ready for the next launch
+        if SPLIT and last_to_finish(counters, b, cuda.blockIdx.y, cuda.gridDim.x):
+            merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv * G, row0, n_rows)
 
     return finish
 
@@ -430,12 +452,13 @@ def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
     merge their own splits in their last block.)
     """
     ROW_CHUNKS = -(-(group * seqlen_q) // rows)
-    merge_splits = _split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
 
     def kernel(o_part, lse_part, o, lse):
         h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows
         weight_s = cuda.shared.array((rows, MAX_SPLITS), float32)
-        merge_splits(o_part, lse_part, o, lse, weight_s, cuda.blockIdx.y, h_kv, row0)
+        merge_splits(o_part, lse_part, o, lse, weight_s, cuda.blockIdx.y, h_kv * group, row0,
+                     min(rows, group * seqlen_q - row0))
 
     return cuda.jit(kernel)
 

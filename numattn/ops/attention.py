@@ -23,8 +23,19 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda
-from ..kernels.attention_mma import MmaConfig, choose_mma_config, mma_attention_kernel, mma_configs, mma_supported
-from ..kernels.attention_simt import SimtConfig, choose_simt_config, simt_attention_kernel, simt_configs
+from ..kernels.attention_mma import (
+    MmaConfig,
+    choose_mma_config,
+    mma_attention_kernel,
+    mma_configs,
+    mma_supported,
+)
+from ..kernels.attention_simt import (
+    SimtConfig,
+    choose_simt_config,
+    simt_attention_kernel,
+    simt_configs,
+)
 from ..kernels.attention_wgmma import (
     WgmmaConfig,
     choose_wgmma_config,
@@ -32,9 +43,9 @@ from ..kernels.attention_wgmma import (
     wgmma_configs,
     wgmma_supported,
 )
-from ..kernels.decode import MAX_SPLITS, combine_kernel
-from ..kernels.decode import NUM_THREADS as COMBINE_THREADS
-from ..kernels.launch import array_fields, compiled, device_limits
+from ..kernels.decode import MAX_SPLITS
+from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from .workspace import SplitWorkspaces, WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
 _LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
@@ -217,8 +228,8 @@ def _attention_kernel(p, device, config=None, splits=1):
     of 16, or K stored transposed (keys contiguous), the SIMT kernel otherwise
     (fp32, other head dims, rows unfit for 16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
     ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (the
-    ``mma.sync`` kernel) divides the keys into runs whose partial results
-    ``combine_kernel`` merges; the grid is then ``(blocks, splits)``.
+    ``mma.sync`` kernel) divides the keys into runs whose partial results the
+    last block of each query tile merges; the grid is then ``(blocks, splits)``.
     """
     limits = device_limits(device)
     args = (p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse)
@@ -232,7 +243,7 @@ def _attention_kernel(p, device, config=None, splits=1):
     if type(config) is WgmmaConfig:
         args += (p.aligned_out,)
     if splits > 1:
-        args = args[:-1] + (False, True)  # no LSE of its own (the combine writes it), split partials
+        args = args + (True,)  # split partials, merged by the last block of each query tile
     if type(config) is MmaConfig and p.transposed_k_loads:
         args = args[:5] + (splits > 1, True)
     dispatcher = _KERNELS[type(config)](config, *args)
@@ -241,31 +252,25 @@ def _attention_kernel(p, device, config=None, splits=1):
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
     label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
     grid = (grid, splits) if splits > 1 else grid
-    return dispatcher, grid, config.num_threads, _shared_bytes(p, config), label, config
+    return dispatcher, grid, config.num_threads, _shared_bytes(p, config, splits), label, config
 
 
 def _swap_last(values):
     return (*values[:-2], values[-1], values[-2])
 
 
-def _shared_bytes(p, config):
+def _shared_bytes(p, config, splits=1):
     if type(config) is MmaConfig:
-        return config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
+        tiles = config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
+        return max(tiles, 4 * config.block_m * MAX_SPLITS) if splits > 1 else tiles  # the merge's weights
     return config.shared_bytes(p.head_dim, p.head_dim_v)
 
 
-COMBINE_ROWS = 32  # query rows per block of the split combine
-
-
-def _combine(p):
-    """``(dispatcher, grid)`` of the kernel merging the key splits of problem ``p``."""
-    group = p.heads_q // p.heads_kv
-    grid = (p.heads_kv * -(-(group * p.seqlen_q) // COMBINE_ROWS), p.batch)
-    return combine_kernel(p.dtype, p.head_dim_v, group, p.seqlen_q, COMBINE_ROWS, p.return_lse), grid
-
-
-def _part_shapes(p, splits):
-    return (p.batch, p.heads_q, p.seqlen_q, splits, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, splits)
+def _split_shapes(p, grid, splits):
+    """Shapes of a split launch's workspace: fp32 partial outputs, their log2-sum-exps, int32 counters."""
+    blocks = grid[0] if splits > 1 else 1
+    return ((p.batch, p.heads_q, p.seqlen_q, splits, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, splits),
+            (1, blocks))
 
 
 class _DevicePlan:
@@ -276,11 +281,12 @@ class _DevicePlan:
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32 = types.float32
         self.problem, self.splits = p, splits
-        self.part_shapes = _part_shapes(p, splits)
-        outputs = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A")) if splits > 1 else (
-            types.Array(storage, 4, "A"), types.Array(f32, 3, "A"))
-        argtypes = (types.Array(storage, 4, "A"),) * 3 + outputs + (f32,)
-        kernel = compiled(dispatcher, argtypes, p.device, shared_bytes, label)
+        self.split_shapes = _split_shapes(p, grid, splits)
+        self.workspace = WorkspaceLayout(self.split_shapes) if splits > 1 else None
+        argtypes = (types.Array(storage, 4, "A"),) * 3 + (types.Array(storage, 4, "A"), types.Array(f32, 3, "A"))
+        if splits > 1:
+            argtypes += (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(types.int32, 2, "A"))
+        kernel = compiled(dispatcher, argtypes + (f32,), p.device, shared_bytes, label)
 
         itemsize = storage_dtype(p.dtype).itemsize
         out_strides = p.out.strides if p.out is not None else contiguous_strides(p.out_shape)
@@ -289,46 +295,40 @@ class _DevicePlan:
         k_shape, k_strides = p.bhsd(p.k.shape), p.bhsd(p.k.strides)
         if type(self.config) is MmaConfig and p.transposed_k_loads:
             k_shape, k_strides = _swap_last(k_shape), _swap_last(k_strides)  # the kernel takes (B, H, D, S)
-        inputs = [
+        arrays = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
             (k_shape, k_strides, itemsize),
             (p.bhsd(p.v.shape), p.bhsd(p.v.strides), itemsize),
+            out_array, lse_array,
         ]
-        parts = [(shape, contiguous_strides(shape), 4) for shape in self.part_shapes]
-        fields, slots = array_fields(inputs + (parts if splits > 1 else [out_array, lse_array]))
-        fields.append(np.float32(p.scale * LOG2E))
-        self.launch_attention = kernel.prepare(grid, threads, fields, slots)  # (stream, q, k, v, o, lse)
-        self.launch_combine = None
         if splits > 1:
-            combine, combine_grid = _combine(p)
-            argtypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
-                        types.Array(f32, 3, "A"))
-            merge = compiled(combine, argtypes, p.device, 0, f"combine {p.dtype} dv={p.head_dim_v}")
-            fields, slots = array_fields(parts + [out_array, lse_array])
-            self.launch_combine = merge.prepare(combine_grid, COMBINE_THREADS, fields, slots)
+            arrays += [(shape, contiguous_strides(shape), 4) for shape in self.split_shapes]
+        fields, slots = array_fields(arrays)
+        fields.append(np.float32(p.scale * LOG2E))
+        # (stream, q, k, v, o, lse) or, with splits, (..., o_part, lse_part, counters)
+        self.launch_attention = kernel.prepare(grid, threads, fields, slots)
 
-    def launch(self, stream, q, k, v, out, lse, part=0, part_lse=0):
-        """Launch on raw pointers (``part``, ``part_lse``: float32 workspaces of ``part_shapes`` when split)."""
-        if self.launch_combine is None:
+    def launch(self, stream, q, k, v, out, lse, counters=0):
+        """Launch on raw pointers; with splits, ``counters`` is a workspace laid out as ``self.workspace``."""
+        if self.workspace is None:
             self.launch_attention(stream, q, k, v, out, lse)
         else:
-            self.launch_attention(stream, q, k, v, part, part_lse)
-            self.launch_combine(stream, part, part_lse, out, lse)
+            part, part_lse = self.workspace.partials(counters)
+            self.launch_attention(stream, q, k, v, out, lse, part, part_lse, counters)
 
     def __call__(self, q, k, v, out):
         p = self.problem
         if out is None:
             out = empty_device_like(q, p.out_shape, p.dtype, p.device)
         lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
-        parts = [empty_device_like(q, shape, "float32", p.device) for shape in self.part_shapes] if self.splits > 1 else []
+        stream, counters = cai_stream(q), 0
+        if self.workspace is not None:
+            workspace = empty_device_like(q, (self.workspace.words,), "float32", p.device)
+            counters = device_pointer(workspace)
+            zero_words(counters, self.workspace.counter_words, stream)
         self.launch(
-            cai_stream(q),
-            device_pointer(q),
-            device_pointer(k),
-            device_pointer(v),
-            device_pointer(out),
-            device_pointer(lse) if lse is not None else 0,
-            *(device_pointer(x) for x in parts),
+            stream, device_pointer(q), device_pointer(k), device_pointer(v), device_pointer(out),
+            device_pointer(lse) if lse is not None else 0, counters,
         )
         return (out, lse) if p.return_lse else out
 
@@ -348,12 +348,6 @@ class _TorchPlan(_DevicePlan):
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
         self._out_template = one.expand(p.out_shape)
         self._lse_template = one.float().expand(p.lse_shape)
-        # one float32 workspace for both split partials (o_part, then lse_part) per stream: calls on a
-        # stream are ordered, so they share it; another stream gets its own
-        self._part_elems = int(np.prod(self.part_shapes[0]))
-        workspace = self._part_elems + int(np.prod(self.part_shapes[1]))
-        self._workspace_template = one.float().expand(workspace) if splits > 1 else None
-        self._workspaces, self._workspace_pointers = {}, {}
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -368,17 +362,14 @@ class _TorchPlan(_DevicePlan):
 
     def launch_pointers(self, q, k, v, out, lse):
         """Launch on data pointers of tensors laid out as planned, on torch's current stream (of the
-        plan's device, which must be current); allocates the split workspace."""
+        plan's device, which must be current), with the stream's split workspace."""
         stream = self._stream(self.problem.device)
-        if self._workspace_template is None:
+        if self.workspace is None:
             self.launch(stream, q, k, v, out, lse)
             return
-        part = self._workspace_pointers.get(stream)
-        if part is None:
-            workspace = self._torch.empty_like(self._workspace_template)
-            self._workspaces[stream], self._workspace_pointers[stream] = workspace, workspace.data_ptr()
-            part = workspace.data_ptr()
-        self.launch(stream, q, k, v, out, lse, part, part + 4 * self._part_elems)
+        counters, part, _held = SplitWorkspaces.get(  # held until the launch is queued
+            self._torch, self.problem.device, stream, self.workspace.counter_words, self.workspace.words)
+        self.launch_attention(stream, q, k, v, out, lse, part, part + self.workspace.part_lse_offset, counters)
 
 
 class _HostPlan:
@@ -404,10 +395,11 @@ class _HostPlan:
         o = cuda.device_array(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = cuda.device_array(p.lse_shape, dtype=np.float32) if p.return_lse else None
         plan = self.device_plan
-        parts = [cuda.device_array(shape, dtype=np.float32) for shape in plan.part_shapes] if plan.splits > 1 else []
+        workspace = cuda.to_device(np.zeros(plan.workspace.words, np.int32)) if plan.workspace else None
         plan.launch(
             0, *(a.device_ctypes_pointer.value for a in stored), o.device_ctypes_pointer.value,
-            0 if lse is None else lse.device_ctypes_pointer.value, *(a.device_ctypes_pointer.value for a in parts),
+            0 if lse is None else lse.device_ctypes_pointer.value,
+            0 if workspace is None else workspace.device_ctypes_pointer.value,
         )
         result = _deliver(o.copy_to_host(), q, out, p)
         return (result, wrap_host(lse.copy_to_host(), q, "float32")) if p.return_lse else result
@@ -421,9 +413,7 @@ class _SimulatorPlan:
         self.kernel = compiled(dispatcher, None, 0, shared_bytes, label)
         self.k_transposed = type(self.config) is MmaConfig and p.transposed_k_loads
         self.problem, self.splits = p, splits
-        if splits > 1:
-            combine, self.combine_grid = _combine(p)
-            self.combine = compiled(combine, None, 0, 0, "combine")
+        self.split_shapes = _split_shapes(p, self.grid, splits)
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -434,12 +424,12 @@ class _SimulatorPlan:
         o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
         scale_log2 = np.float32(p.scale * LOG2E)
+        splits = []
         if self.splits > 1:
-            parts = [np.empty(shape, dtype=np.float32) for shape in _part_shapes(p, self.splits)]
-            self.kernel.launch_arrays(self.grid, self.block, *views, *parts, scale_log2)
-            self.combine.launch_arrays(self.combine_grid, COMBINE_THREADS, *parts, o.transpose(axes), lse)
-        else:
-            self.kernel.launch_arrays(self.grid, self.block, *views, o.transpose(axes), lse, scale_log2)
+            part_shape, part_lse_shape, counter_shape = self.split_shapes
+            splits = [np.empty(part_shape, np.float32), np.empty(part_lse_shape, np.float32),
+                      np.zeros(counter_shape, np.int32)]
+        self.kernel.launch_arrays(self.grid, self.block, *views, o.transpose(axes), lse, *splits, scale_log2)
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 

@@ -16,8 +16,8 @@ from numba import types
 
 from .._arrays import (
     FLOAT_DTYPES,
-    cai_stream,
     Operand,
+    cai_stream,
     contiguous_strides,
     describe,
     device_pointer,
@@ -45,6 +45,8 @@ from ..kernels.decode import (
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from .attention import LOG2E, MAX_HEAD_DIM, softmax_scale
+from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
+
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
 
@@ -372,11 +374,7 @@ class _DevicePlan(_Plan):
         fields, slots = array_fields(self.arrays())
         fields.append(np.float32(p.scale * LOG2E))
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
-        sizes = [int(np.prod(shape)) for shape in self.workspace_shapes]
-        # workspace offsets in 4-byte words: counters first (they must start at zero), then the partials
-        self.counter_words = -(-sizes[2] // 4) * 4
-        self.workspace_words = self.counter_words + sizes[0] + sizes[1] if self.split else 0
-        self.part_lse_offset = 4 * sizes[0]  # bytes from the partial outputs to their log2-sum-exps
+        self.workspace = WorkspaceLayout(self.workspace_shapes)
 
 
 class _TorchPlan(_DevicePlan):
@@ -405,53 +403,15 @@ class _TorchPlan(_DevicePlan):
         stream = self._stream(p.device)
         part = part_lse = counters = 0
         if self.split:
-            counters, part, workspace = SplitWorkspaces.get(self._torch, p.device, stream, self.counter_words,
-                                                            self.workspace_words)
-            part_lse = part + self.part_lse_offset
+            counters, part, _held = SplitWorkspaces.get(  # held until the launch is queued
+                self._torch, p.device, stream, self.workspace.counter_words, self.workspace.words)
+            part_lse = part + self.workspace.part_lse_offset
         self.launch(
             stream, q.data_ptr(), k.data_ptr(), v.data_ptr(),
             0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
             out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters,
         )
         return (out, lse) if lse is not None else out
-
-
-def _capturing_now(torch):
-    """Whether torch captures a CUDA graph on its current stream (torch's private fast path where it has one)."""
-    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return check() if check is not None else torch.cuda.is_current_stream_capturing()
-
-
-class SplitWorkspaces:
-    """Split-KV workspaces of torch launches, one per (device, stream).
-
-    A workspace is one int32 buffer: ``counter_words`` counters, zero when no
-    launch is running (each launch's merging blocks set theirs back to 0), then
-    room for partial results. Launches on one stream run in order, so every plan
-    on a stream shares its workspace; a larger need replaces it with a larger
-    zeroed one (torch's allocator reuses the old one only after the stream's
-    earlier work). While torch captures a CUDA graph each call gets its own
-    zeroed buffer, allocated (and its zeroing recorded) in the graph.
-    """
-
-    _buffers = {}  # (device, stream) -> (counters pointer, partials pointer, buffer, counter words, partial words)
-
-    @classmethod
-    def get(cls, torch, device, stream, counter_words, words):
-        """``(counters pointer, partials pointer, buffer)`` of a workspace with at least ``counter_words``
-        zero counters and ``words - counter_words`` words for partials after all of its counters; the buffer
-        must stay referenced until the launch is queued."""
-        if _capturing_now(torch):
-            buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
-            return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
-        entry = cls._buffers.get((device, stream))
-        if entry is None or entry[3] < counter_words or entry[4] < words - counter_words:
-            counters = max(counter_words, entry[3] if entry else 0)
-            rest = max(words - counter_words, entry[4] if entry else 0)
-            buffer = torch.zeros(counters + rest, dtype=torch.int32, device=torch.device("cuda", device))
-            pointer = buffer.data_ptr()
-            entry = cls._buffers[(device, stream)] = (pointer, pointer + 4 * counters, buffer, counters, rest)
-        return entry[0], entry[1], entry[2]
 
 
 class TorchOutputs:
@@ -493,11 +453,10 @@ class _CaiPlan(_DevicePlan):
         stream = cai_stream(q)
         part = part_lse = counters = 0
         if self.split:
-            workspace = empty_device_like(q, (self.workspace_words,), "float32", p.device)
+            workspace = empty_device_like(q, (self.workspace.words,), "float32", p.device)
             counters = device_pointer(workspace)
-            zero_words(counters, self.counter_words, stream)
-            part = counters + 4 * self.counter_words
-            part_lse = part + self.part_lse_offset
+            zero_words(counters, self.workspace.counter_words, stream)
+            part, part_lse = self.workspace.partials(counters)
         pointer = (lambda x: 0 if x is None else device_pointer(x))
         self.launch(stream, *(pointer(x) for x in (q, k, v, page_table, seqlens, out, lse)), part, part_lse, counters)
         return (out, lse) if lse is not None else out
@@ -614,7 +573,7 @@ def _capturing(p):
         return False
     import torch
 
-    return _capturing_now(torch)
+    return capturing_now(torch)
 
 
 def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True):
