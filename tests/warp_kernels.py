@@ -22,6 +22,7 @@ from numattn.kernels.ptx import (
     fence_registers,
     ldmatrix_x4,
     ldmatrix_x4_trans,
+    load_l2_f32,
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
@@ -40,6 +41,7 @@ from numattn.kernels.ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
+from numattn.kernels.decode import last_to_finish
 from numattn.kernels.tiles import sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)
@@ -241,3 +243,18 @@ def bulk_reduce_kernel(src, dst):
         bulk_commit()
         cuda.syncthreads()
     bulk_wait(0)
+
+
+@cuda.jit
+def last_block_sum_kernel(values, counters, totals, launch):
+    """Block ``i`` writes ``values[i, :]``; the last block to finish sums every block's row (read through
+    L2) into ``totals[launch]``. Launched several times on the same counters."""
+    i, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    values[i, tid] = float32(i + 1) * float32(tid + 1) + float32(launch)
+    if last_to_finish(counters, 0, 0, cuda.gridDim.x) and tid == 0:
+        total = float32(0.0)
+        for j in range(cuda.gridDim.x):
+            for t in range(cuda.blockDim.x):
+                total += load_l2_f32(values, (j, t))
+        totals[launch] = total
+

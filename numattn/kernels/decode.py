@@ -44,6 +44,7 @@ from .ptx import (
     ldmatrix_x4,
     ldmatrix_x4_trans,
     load_16,
+    load_l2_f32,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -154,8 +155,9 @@ def split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
         splits = uint64(lse_part.shape[3])
         for r in range(warp, n_rows, step // WARP):
             h, i = row_head(first_head, first_row, r)
-            l0 = lse_part[ub, h, i, lane] if lane < splits else _NEG_INF  # MAX_SPLITS = 64: two per lane
-            l1 = lse_part[ub, h, i, lane + WARP] if lane + WARP < splits else _NEG_INF
+            # partials through L2: other blocks of this launch wrote them (MAX_SPLITS = 64: two per lane)
+            l0 = load_l2_f32(lse_part, (ub, h, i, lane)) if lane < splits else _NEG_INF
+            l1 = load_l2_f32(lse_part, (ub, h, i, lane + WARP)) if lane + WARP < splits else _NEG_INF
             m_all = max(l0, l1)
             for offset in (16, 8, 4, 2, 1):
                 m_all = max(m_all, shfl_xor_f32(m_all, offset))
@@ -185,7 +187,7 @@ def split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
                     r, col = idx // DV, idx % DV
                     h, i = row_head(first_head, first_row, r)
                     for u in range(MERGE_SPLITS):
-                        values[e, u] = o_part[ub, h, i, min(s0 + uint64(u), splits - ONE), col]
+                        values[e, u] = load_l2_f32(o_part, (ub, h, i, min(s0 + uint64(u), splits - ONE), col))
                 for e in range(MERGE_ELEMS):
                     r = min(base + uint64(e) * step, n_out - ONE) // DV
                     for u in range(MERGE_SPLITS):  # s0 + u < MAX_SPLITS, a multiple of MERGE_SPLITS

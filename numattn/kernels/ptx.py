@@ -677,6 +677,29 @@ def _load_16(typingctx, src, index):
 _bind(load_16, _load_16)
 
 
+def load_l2_f32(src, index):
+    """``load_l2_f32(src, index) -> float32``: ``src[index]`` of a global float32 array, read through L2
+    only (``ld.global.cg.f32``): for data that other blocks of the running kernel wrote, which an
+    SM's L1 may hold stale lines of (a neighbour's earlier read of the same 128-byte line)."""
+    return np.float32(src[index])
+
+
+@intrinsic
+def _load_l2_f32(typingctx, src, index):
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_type, index_type = sig.args
+        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1])
+        return _asm(builder, "ld.global.cg.f32 $0, [$1];", "=f,l", _f32, [ptr])
+
+    return types.float32(src, index), codegen
+
+
+_bind(load_l2_f32, _load_l2_f32)
+
+
 def f32_from_bits(bits):
     """``f32_from_bits(bits) -> float32``: the fp32 value with bit pattern ``bits`` (a ``uint32``)."""
     return np.uint32(bits).view(np.float32)
