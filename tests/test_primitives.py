@@ -299,6 +299,6 @@ def test_last_block_reads_every_block_through_l2(where):
         last_block_sum_kernel[blocks, threads](values, counters, totals, launch)
     rows, cols = np.arange(1, blocks + 1, dtype=np.float64), np.arange(1, threads + 1, dtype=np.float64)
     expected = rows.sum() * cols.sum() + np.arange(launches) * blocks * threads
-    np.testing.assert_allclose(totals.copy_to_host(), expected, rtol=1e-5)
+    np.testing.assert_allclose(totals.copy_to_host(), expected, rtol=1e-4)  # float32 sums of up to 17k terms
     assert counters.copy_to_host()[0, 0] == 0
 

@@ -692,7 +692,9 @@ def _load_l2_f32(typingctx, src, index):
     def codegen(context, builder, sig, args):
         src_type, index_type = sig.args
         ptr = _global_address(context, builder, src_type, args[0], index_type, args[1])
-        return _asm(builder, "ld.global.cg.f32 $0, [$1];", "=f,l", _f32, [ptr])
+        # a side effect keeps the load after the fences and barriers that order it behind other blocks'
+        # writes (a pure inline asm could be hoisted above them)
+        return _asm(builder, "ld.global.cg.f32 $0, [$1];", "=f,l", _f32, [ptr], side_effect=True)
 
     return types.float32(src, index), codegen
 
