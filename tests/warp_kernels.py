@@ -251,10 +251,12 @@ def last_block_sum_kernel(values, counters, totals, launch):
     L2) into ``totals[launch]``. Launched several times on the same counters."""
     i, tid = cuda.blockIdx.x, cuda.threadIdx.x
     values[i, tid] = float32(i + 1) * float32(tid + 1) + float32(launch)
-    if last_to_finish(counters, 0, 0, cuda.gridDim.x) and tid == 0:
-        total = float32(0.0)
-        for j in range(cuda.gridDim.x):
-            for t in range(cuda.blockDim.x):
-                total += load_l2_f32(values, (j, t))
-        totals[launch] = total
+    if last_to_finish(counters, 0, 0, cuda.gridDim.x):
+        if tid == 0:
+            total = float32(0.0)
+            for j in range(cuda.gridDim.x):
+                for t in range(cuda.blockDim.x):
+                    total += load_l2_f32(values, (j, t))
+            totals[launch] = total
+            counters[0, 0] = 0
 

@@ -312,6 +312,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 # the stages are free (the loop ended with a barrier): the merge's weights take their place
                 weight_s = tile_view(cuda.shared.array(0, float32), 0, BLOCK_M, MAX_SPLITS)
                 merge_splits(o_part, lse_part, o, lse, weight_s, b, h, m0, min(BLOCK_M, seqlen_q - m0))
+                if cuda.threadIdx.x == 0:
+                    counters[0, cuda.blockIdx.x] = 0  # ready for the next launch
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
             store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)

@@ -98,9 +98,11 @@ def _row_head(group, seqlen_q):
 
 
 @cuda.jit(device=True, inline="always")
-def last_to_finish(counters, i, j, tickets):
-    """Whether the calling block is the last of the ``tickets`` blocks that share ``counters[i, j]``
-    to get here (call once, from every thread; the counter starts at 0 and is left at 0).
+def last_to_finish(counters, counter_row, counter_col, tickets):
+    """Whether the calling block is the last of the ``tickets`` blocks that share
+    ``counters[counter_row, counter_col]`` to get here (call once, from every thread). The counter
+    starts at 0; the last block sets it back to 0 when it is done (one thread, after its merge:
+    setting it here, before the merge, gave wrong results on the GPU).
 
     Each thread's earlier global writes are made visible device-wide before the block takes its
     ticket, so the block that draws the last ticket sees every other block's results.
@@ -108,12 +110,10 @@ def last_to_finish(counters, i, j, tickets):
     cuda.threadfence()
     cuda.syncthreads()
     last = 0
-    if cuda.threadIdx.x == 0 and cuda.atomic.add(counters, (i, j), 1) == tickets - 1:
+    if cuda.threadIdx.x == 0 and cuda.atomic.add(counters, (counter_row, counter_col), 1) == tickets - 1:
         last = 1
     if cuda.syncthreads_or(last):
         cuda.threadfence()
-        if cuda.threadIdx.x == 0:
-            counters[i, j] = 0  # every block has its ticket: ready for the next launch
         return True
     return False
 
@@ -255,8 +255,11 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
                 o_part[b, h, i, split, col] = value
             else:
                 o[b, h, i, col] = narrow(value)
-        if SPLIT and last_to_finish(counters, b, cuda.blockIdx.y, cuda.gridDim.x):
-            merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv * G, row0, n_rows)
+        if SPLIT:
+            if last_to_finish(counters, b, cuda.blockIdx.y, cuda.gridDim.x):
+                merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv * G, row0, n_rows)
+                if tid == 0:
+                    counters[b, cuda.blockIdx.y] = 0  # ready for the next launch
 
     return finish
 
