@@ -85,18 +85,6 @@ MERGE_ELEMS = 4  # output elements per thread whose partials the combine loads t
 MERGE_SPLITS = 8  # ... and splits
 
 
-def _row_head(group, seqlen_q):
-    """Device function ``row_head(h_kv, row0, r)``: ``(query head, new token)`` of row ``row0 + r``
-    of KV head ``h_kv``'s group of rows (query heads × new tokens)."""
-    G, SQ = group, seqlen_q
-
-    @cuda.jit(device=True, inline="always")
-    def row_head(h_kv, row0, r):
-        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
-
-    return row_head
-
-
 @cuda.jit(device=True, inline="always")
 def last_to_finish(counters, counter_row, counter_col, tickets):
     """Whether the calling block is the last of the ``tickets`` blocks that share
@@ -118,15 +106,15 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
     return False
 
 
-def split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
+def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
     """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
     and log2-sum-exp; every thread of the block takes part. ``weight_s`` is a float32
     ``(rows, MAX_SPLITS)`` shared-memory scratch array.
 
     Row ``r`` is query head ``first_head + (first_row + r) // seqlen_q``, new token
-    ``(first_row + r) % seqlen_q`` (the rows of a KV head's group, ``group`` heads of
-    ``seqlen_q`` tokens), or with ``seqlen_q`` None head ``first_head``, query row
+    ``(first_row + r) % seqlen_q`` (the rows of a KV head's group of query heads, ``seqlen_q``
+    tokens each), or with ``seqlen_q`` None head ``first_head``, query row
     ``first_row + r`` (a tile of one head's rows).
 
     A warp per row turns the splits' log2-sum-exps into weights, then each thread
@@ -218,8 +206,12 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
     narrow = NARROW[dtype]
-    row_head = _row_head(group, seqlen_q)
-    merge_splits = split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse)
+
+    @cuda.jit(device=True, inline="always")
+    def row_head(h_kv, row0, r):
+        """``(query head, new token)`` of row ``r`` of the block's rows."""
+        return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
 
     @cuda.jit(device=True, inline="always")
     def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0):
@@ -457,7 +449,7 @@ def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
     merge their own splits in their last block.)
     """
     ROW_CHUNKS = -(-(group * seqlen_q) // rows)
-    merge_splits = split_merger(dtype, head_dim_v, group, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse)
 
     def kernel(o_part, lse_part, o, lse):
         h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows

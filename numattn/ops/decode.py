@@ -388,18 +388,14 @@ class _TorchPlan(_DevicePlan):
         self._torch = torch
         self._get_device, self._stream = torch_current()
         self._single_device = torch.cuda.device_count() == 1
-        one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
-        self._empty_like = torch.empty_like
-        self._out = one.expand(p.out_shape)  # templates that empty_like allocates like (the cheapest way)
-        self._lse = one.float().expand(p.lse_shape) if p.return_lse else None
+        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
 
     def __call__(self, q, k, v, page_table, seqlens):
         p = self.problem
         if not self._single_device and self._get_device() != p.device:
             with self._torch.cuda.device(p.device):
                 return self(q, k, v, page_table, seqlens)
-        out = self._empty_like(self._out)
-        lse = self._empty_like(self._lse) if self._lse is not None else None
+        out, lse, _, _, _ = self.outputs.allocate()
         stream = self._stream(p.device)
         part = part_lse = counters = 0
         if self.split:
