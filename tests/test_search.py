@@ -306,3 +306,47 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
                                mi.reference.mla_decode(*args, scale=0.2), atol=2e-3)
     with pytest.raises(TypeError, match="tune takes numattn.attention"):
         mi.tune(print, q)
+
+
+@pytest.mark.gpu
+def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
+    """On the GPU, tuning times the candidates with CUDA events; the stored choice is what later calls use.
+    (MLA's candidates narrowed to the two sm_90 block_n 64 schedules: each configuration compiles for a while.)"""
+    import torch
+
+    from numattn.kernels import mla as mla_kernels
+    from numattn.ops import decode as decode_module
+    from numattn.ops import mla as mla_module
+    from numattn.search.functional import tuned_config
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q = torch.rand(2, 8, 128, device="cuda", dtype=torch.float16) - 0.5
+    k, v = (torch.rand(2, 2, 3000, 128, device="cuda", dtype=torch.float16) - 0.5 for _ in range(2))
+    table = mi.tune(mi.decode, q, k, v, profile_iters=20)
+    assert len(table) >= 3 and all(row["verified"] and row["seconds"] > 0 for row in table)
+    fastest = min(table, key=lambda row: row["seconds"])
+    problem = decode_module._validate_decode_args(q, k, v, None, None, None, "bhsd", False)
+    assert tuned_config("decode", problem) == (None, fastest["splits"])
+    decode_module._PLANS.clear()
+    o = mi.decode(q, k, v)
+    assert [plan.splits for plan in decode_module._PLANS.values()] == [fastest["splits"]]
+    assert np.abs(o.double().cpu().numpy() - mi.reference.decode(q, k, v)).max() < 2e-3
+
+    batch, heads, rank, rope, pages = 2, 16, 512, 64, 700
+    q_nope, q_pe = (torch.rand(batch, heads, d, device="cuda", dtype=torch.float16) - 0.5 for d in (rank, rope))
+    ckv, kpe = (torch.rand(pages, 1, d, device="cuda", dtype=torch.float16) - 0.5 for d in (rank, rope))
+    table_pages = torch.randperm(pages, device="cuda")[:600].reshape(batch, 300).int()
+    lengths = torch.tensor([300, 211], device="cuda", dtype=torch.int32)
+    args = (q_nope, q_pe, ckv, kpe, table_pages, lengths)
+    every = mla_kernels.mla_candidates
+    monkeypatch.setattr(mla_kernels, "mla_candidates", lambda *a: [c for c in every(*a) if c.block_n == 64])
+    table = mi.tune(mi.mla_decode, *args, scale=0.1, profile_iters=20)
+    verified = [row for row in table if row["verified"]]
+    assert len(verified) >= 2 and all(row["seconds"] > 0 for row in verified)
+    fastest = min(verified, key=lambda row: row["seconds"])
+    config, splits = tuned_config("mla_decode", mla_module._validate(*args, 0.1, False))
+    assert (repr(config), splits) == (fastest["config"], fastest["splits"])
+    mla_module._PLANS.clear()
+    o = mi.mla_decode(*args, scale=0.1)
+    assert [(plan.config, plan.splits) for plan in mla_module._PLANS.values()] == [(config, splits)]
+    assert np.abs(o.double().cpu().numpy() - mi.reference.mla_decode(*args, scale=0.1)).max() < 2e-3
