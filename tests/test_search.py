@@ -350,3 +350,40 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     o = mi.mla_decode(*args, scale=0.1)
     assert [(plan.config, plan.splits) for plan in mla_module._PLANS.values()] == [(config, splits)]
     assert np.abs(o.double().cpu().numpy() - mi.reference.mla_decode(*args, scale=0.1)).max() < 2e-3
+
+
+def test_configurations_that_would_spill_are_pruned_before_compiling():
+    """Register pressure against ptxas's counts (sm_90, fp16, 2026-11-23): configurations that compiled
+    without spilling fit; those that spilled are pruned with the reason; the heuristics pick neither
+    a configuration that spills nor one beyond the shared memory of sm_80, sm_86 or sm_90."""
+    from numattn.kernels.attention_mma import MmaConfig, choose_mma_config
+    from numattn.kernels.attention_wgmma import WgmmaConfig, choose_wgmma_config
+    from numattn.kernels.launch import device_limits
+    from numattn.ops.attention import _misfit, _validate
+
+    def problem(head_dim):
+        x = np.ones((1, 1, 16, head_dim), np.float16)
+        return _validate(x, x, x, None, False, None, "bhsd", False)
+
+    limits = device_limits(0)
+    no_spill = [(MmaConfig(32, 4, 2, False), 128), (MmaConfig(64, 4, 1, False), 256), (MmaConfig(64, 4, 2, True), 64),
+                (WgmmaConfig(64, 3, 4), 128), (WgmmaConfig(96, 3, 3), 64), (WgmmaConfig(32, 2, 3), 256)]
+    spilled = [(MmaConfig(64, 4, 1, True), 256, 168), (MmaConfig(64, 4, 2, True), 128, 620),
+               (MmaConfig(32, 4, 4, False), 64, 156), (WgmmaConfig(128, 3, 3), 64, 52),
+               (WgmmaConfig(96, 3, 3), 128, 64), (WgmmaConfig(32, 3, 3), 256, 336)]
+    for config, head_dim in no_spill:
+        assert _misfit(problem(head_dim), config, limits) is None, (config, head_dim)
+    for config, head_dim, spill_bytes in spilled:
+        reason = _misfit(problem(head_dim), config, limits)
+        assert reason is not None and reason.startswith("register pressure"), (config, head_dim, spill_bytes)
+    assert "shared memory" in _misfit(problem(256), WgmmaConfig(128, 2, 4), limits)
+
+    for shared in (99 * 1024, 163 * 1024, 227 * 1024):
+        for head_dim in range(16, 257, 16):
+            config = choose_mma_config(head_dim, head_dim, shared)
+            assert config.register_pressure(head_dim, head_dim) <= config.register_pressure_limit
+            assert config.shared_bytes(head_dim, head_dim) <= shared or config == MmaConfig(16, 1)
+        for head_dim in (64, 128, 192, 256):
+            config = choose_wgmma_config(head_dim, head_dim, shared)
+            if config.shared_bytes(head_dim, head_dim) <= shared:
+                assert config.register_pressure(head_dim, head_dim) <= config.register_pressure_limit

@@ -91,6 +91,26 @@ class MmaConfig:
         k = head_dim * (self.block_n + PAD) if k_transposed else self.block_n * (head_dim + PAD)
         return 2 * (q + self.stages * (k + self.block_n * (head_dim_v + PAD)))
 
+    def register_pressure(self, head_dim, head_dim_v):
+        """Registers per thread the kernel asks for, a linear fit to ptxas's counts (calibration below):
+        per m16 tile a warp owns, its output accumulator (``head_dim_v``), its Q fragments when kept in
+        registers (``head_dim``) and a key tile's scores (``block_n``); plus the tile's copies. Past
+        255 it is no count: ptxas fitted pressures up to about 280 into its 255 registers."""
+        per_tile = 0.58 * head_dim_v + (0.18 * head_dim if self.q_in_registers else 0) + 0.45 * self.block_n
+        return round(78 + self.warp_m * per_tile + 0.35 * self.block_n)
+
+    @property
+    def register_pressure_limit(self):
+        """The ``register_pressure`` above which configurations spilled (calibration below)."""
+        return REGISTER_PRESSURE_LIMIT
+
+
+# Calibration (ptxas 13, sm_90, fp16, causal with LSE, 2026-11-23; head dim 64: block_n 16–128, 1, 4
+# and 8 warps, warp_m 1, 2 and 4; head dims 128 and 256: 4 warps, warp_m 1 and 2; Q in registers or
+# not): no configuration put at 278 or less spilled; every one put at 295 or more spilled 100 bytes
+# or more; in between, a few words or none.
+REGISTER_PRESSURE_LIMIT = 285
+
 
 def mma_supported(dtype, head_dim, head_dim_v):
     """Whether the tensor-core kernel takes this dtype and these head dims."""
@@ -98,11 +118,11 @@ def mma_supported(dtype, head_dim, head_dim_v):
 
 
 # Per head-dim class, candidates in order of preference; the first that fits the
-# device's shared memory is used. Measured on an H200 (docs/benchmarks.md).
+# device's shared memory and the registers is used. Measured on an H200 (docs/benchmarks.md).
 _CANDIDATES = {
     64: (MmaConfig(64, 4, 2, True), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
     128: (MmaConfig(32, 4, 2, False), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
-    256: (MmaConfig(64, 8, 1, False), MmaConfig(32, 8, 1, True), MmaConfig(32, 4, 1, False), MmaConfig(16, 4, 1, False)),
+    256: (MmaConfig(64, 8, 1, False), MmaConfig(32, 8, 1, False), MmaConfig(32, 4, 1, False), MmaConfig(16, 4, 1, False)),
 }
 
 
@@ -117,11 +137,13 @@ def mma_configs(head_dim, head_dim_v):
 
 
 def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
-    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
+    and the registers."""
     if simulator:
         return MmaConfig(block_n=16, num_warps=1)
     for config in mma_configs(head_dim, head_dim_v):
-        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
+                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
             return config
     return MmaConfig(block_n=16, num_warps=1)
 

@@ -86,9 +86,27 @@ class WgmmaConfig:
         warps_per_scheduler = -(-self.num_threads // 128)
         return min(255, 16384 // (32 * warps_per_scheduler) // 8 * 8)
 
+    def register_pressure(self, head_dim, head_dim_v):
+        """Registers per thread the kernel asks for, a linear fit to ptxas's counts with two
+        warpgroups (calibration below): a thread's share of the 64-row output accumulator
+        (``head_dim_v``), of a key tile's scores and P fragments (``block_n``)."""
+        return round(48 + 0.59 * head_dim_v + 0.85 * self.block_n)
+
+    @property
+    def register_pressure_limit(self):
+        """The ``register_pressure`` above which configurations spilled at ``max_registers``."""
+        return self.max_registers + REGISTER_SLACK
+
     def shared_bytes(self, head_dim, head_dim_v):
         """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
         return 2 * (self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
+
+
+# Calibration (ptxas 13, sm_90a, fp16, causal with LSE, 3 stages, 2026-11-23; head dims 64, 128 and
+# 256, block_n 32–128, one to three warpgroups, compiled at ``max_registers``): with three warpgroups
+# (168 registers) pressures up to 178 compiled without spilling and 195 and more spilled 52 bytes or
+# more; with two (255), 254 without spilling and 281 spilled 184 bytes.
+REGISTER_SLACK = 12
 
 
 def wgmma_supported(dtype, head_dim, head_dim_v, cc):
@@ -101,7 +119,7 @@ def wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 
 # Per widest head dim, candidates in order of preference; the first that fits
-# the device's shared memory is used. Measured on an H100 (docs/benchmarks.md).
+# the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md).
 _CANDIDATES = {
     64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
     128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
@@ -116,10 +134,12 @@ def wgmma_configs(head_dim, head_dim_v):
 
 
 def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
-    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory."""
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
+    and the registers."""
     candidates = wgmma_configs(head_dim, head_dim_v)
     for config in candidates:
-        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
+                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
             return config
     return candidates[-1]
 

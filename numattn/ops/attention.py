@@ -485,9 +485,10 @@ def _make_plan(problem, config=None, splits=1):
     return _DevicePlan(p, config, splits)
 
 
-def tile_candidates(problem):
+def tile_candidates(problem, pruned=None):
     """Every tile configuration offered for ``problem`` on its device (in the simulator, the small
-    ones that simulate in seconds), each fitting the device's shared memory."""
+    ones that simulate in seconds) that fits the device's shared memory and the registers; the others
+    are appended to ``pruned`` as ``(config, reason)`` when a list is given."""
     p = problem
     limits = device_limits(0 if p.device is None else p.device)
     configs = []
@@ -501,8 +502,25 @@ def tile_candidates(problem):
             options = mma_configs(p.head_dim, p.head_dim_v)
         else:
             options = simt_configs(p.head_dim, p.head_dim_v)
-        configs += [c for c in options if _shared_bytes(p, c) <= limits["max_shared"]]
+        for config in options:
+            reason = _misfit(p, config, limits)
+            if reason is None:
+                configs.append(config)
+            elif pruned is not None:
+                pruned.append((config, reason))
     return configs
+
+
+def _misfit(p, config, limits):
+    """Why ``config`` does not fit problem ``p`` on this device, or None."""
+    shared = _shared_bytes(p, config)
+    if shared > limits["max_shared"]:
+        return f"needs {shared} bytes of shared memory, the device allows {limits['max_shared']}"
+    if isinstance(config, (MmaConfig, WgmmaConfig)):
+        pressure = config.register_pressure(p.head_dim, p.head_dim_v)
+        if pressure > config.register_pressure_limit:
+            return f"register pressure {pressure} above {config.register_pressure_limit} (would spill)"
+    return None
 
 
 KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the mma.sync kernel

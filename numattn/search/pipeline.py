@@ -43,12 +43,14 @@ def random_inputs(graph, rng, device):
 
 
 def candidates(graph, sample):
-    """Every plan worth trying: the unfused plan, and for the graph's attention subgraphs, one fused plan
-    per key layout and tile configuration that the kernels offer for ``sample`` inputs."""
-    plans = [Plan("unfused")]
+    """``(plans, pruned)``: every plan worth trying — the unfused plan, and for the graph's attention
+    subgraphs one fused plan per key layout and tile configuration that the kernels offer for
+    ``sample`` inputs — and ``(plan, reason)`` for the configurations pruned before compiling (too
+    much shared memory or registers for the device)."""
+    plans, pruned = [Plan("unfused")], []
     matches = tuple(find_attention(graph))
     if not matches:
-        return plans
+        return plans, pruned
     m = matches[0]  # tile configurations offered for the first subgraph (all subgraphs share a plan)
     dims = {i: graph.nodes[i].output.dims for i in (m.q, m.k, m.v)}
     sample_inputs = {t.node.index: x for t, x in zip(graph.inputs, sample)}
@@ -65,9 +67,11 @@ def candidates(graph, sample):
         if layout == "copy":
             k = k.contiguous() if hasattr(k, "contiguous") else np.ascontiguousarray(k)
         problem = _validate(views[0], k, views[2], None, False, m.scale, "bhsd", False)
-        for config in tile_candidates(problem):  # key splits: runs of keys in parallel, for short grids
+        misfits = []
+        for config in tile_candidates(problem, misfits):  # key splits: runs of keys in parallel, for short grids
             plans += [Plan("fused", matches, config, layout, n) for n in split_options(problem, config)]
-    return plans
+        pruned += [(Plan("fused", matches, config, layout), reason) for config, reason in misfits]
+    return plans, pruned
 
 
 class OptimizedGraph:
@@ -197,9 +201,12 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
 
     rng = np.random.default_rng(seed)
     sample, _ = random_inputs(graph, rng, device)
-    modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(candidates(graph, sample)))
+    plans, pruned = candidates(graph, sample)
+    modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(plans))
     progress = Progress(len(modelled), verbose or sys.stderr.isatty())
-    table, best, best_seconds, tried = [], None, None, 0
+    table = [{"plan": plan.describe(), "verified": False, "seconds": None, "note": f"pruned: {reason}"}
+             for plan, reason in pruned]
+    best, best_seconds, tried = None, None, 0
     semantics_verdict = {}
     started = time.perf_counter()
     for model, _, plan in modelled:
