@@ -181,6 +181,9 @@ def query_block(q, k, block_m, causal):
     return b, h, h // (heads_q // heads_kv), m0, n_end
 
 
+HEAD_GROUP = 8  # (batch, KV head) pairs whose causal backward key blocks the grid interleaves
+
+
 @cuda.jit(device=True)
 def key_block(q, k, block_n, block_m, causal):
     """``(b, h_kv, n0, m_first, m_tiles)`` of the calling thread block of an attention backward.
@@ -189,14 +192,20 @@ def key_block(q, k, block_n, block_m, causal):
     owns keys ``n0 .. n0 + block_n`` of batch ``b``, key/value head ``h_kv``, and
     must visit the ``m_tiles`` query tiles of ``block_m`` rows from row
     ``m_first`` on (under causal masking, the first that holds a row seeing key
-    ``n0``). A head's key blocks are neighbours in the grid, so that they run
-    together (the dQ rows they all add to stay in L2), the first key block, the
-    longest under causal masking, first.
+    ``n0``). A head's key blocks run together (the dQ rows they add to stay in
+    L2). Under causal masking, where the first key blocks are the longest, the
+    grid walks ``HEAD_GROUP`` (batch, head) pairs at a time, key block by key
+    block, so that the lightest blocks of a group run last.
     """
     heads_kv, seqlen_q, seqlen_kv = k.shape[1], q.shape[2], k.shape[2]
     key_blocks = (seqlen_kv + block_n - 1) // block_n
-    n0 = (cuda.blockIdx.x % key_blocks) * block_n
-    pair = cuda.blockIdx.x // key_blocks
+    pairs = k.shape[0] * heads_kv
+    size = HEAD_GROUP if causal else 1
+    group = cuda.blockIdx.x // (size * key_blocks)
+    within = cuda.blockIdx.x - group * size * key_blocks
+    group_pairs = min(size, pairs - group * size)  # the last group may be smaller
+    n0 = (within // group_pairs) * block_n
+    pair = group * size + within % group_pairs
     m_first = max(0, n0 - (seqlen_kv - seqlen_q)) // block_m * block_m if causal else 0
     m_tiles = max(0, (seqlen_q - m_first + block_m - 1) // block_m)
     return pair // heads_kv, pair % heads_kv, n0, m_first, m_tiles

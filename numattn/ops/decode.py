@@ -294,6 +294,9 @@ def split_count(work, capacity, blocks_per_sm, min_keys, sms):
     return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
 
 
+MMA_STAGES = (3, 2)  # ring depths of the tensor-core kernel, the first that fits the shared memory is used
+
+
 class _Plan:
     """Kernels, grid and argument layout of one decode problem.
 
@@ -310,7 +313,7 @@ class _Plan:
         group = p.heads_q // p.heads_kv
         split_args = None
         if decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0):
-            fitting = [n for n in (3, 2) if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
+            fitting = [n for n in MMA_STAGES if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
             if fitting:
                 self.stages, rows = fitting[0], MMA_ROWS
                 split_args = (2, 4 * WARPS * MMA_KEYS)
