@@ -249,19 +249,19 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
                     view[row, col + g] = narrow(dp[0, n, e])
             fence_proxy_async()
             cuda.syncthreads()  # dS complete
-            wgmma_wait(0)  # dV, dK: their A fragments' registers are free again
-            fence_registers(dv_acc, DV_REGS)
-            fence_registers(dk_acc, DK_REGS)
-            fence_registers(p_frag, FRAG_REGS)
-            fence_registers(ds_frag, FRAG_REGS)
 
-            # dQ = dS K for the warpgroup's columns: A = dS (K-major), B = K tile rows 16kk .. (MN-major)
+            # dQ = dS K for the warpgroup's columns: A = dS (K-major), B = K tile rows 16kk .. (MN-major),
+            # queued behind dV and dK (no drain in between)
             wgmma_fence()
             for kk in range(NSTEPS):
                 wgmma_ss(dq_acc, DQ_N, smem, ds_tile + 64 * ((kk // 4) * BLOCK_M) + 16 * (kk % 4),
                          k_tile + (dq_col0 // 64) * 64 * BLOCK_N + 64 * 16 * kk, 64 * BLOCK_N, True, kk > 0)
             wgmma_commit()
-            wgmma_wait(0)
+            wgmma_wait(0)  # dV, dK and dQ: the A fragments' registers are free again
+            fence_registers(dv_acc, DV_REGS)
+            fence_registers(dk_acc, DK_REGS)
+            fence_registers(p_frag, FRAG_REGS)
+            fence_registers(ds_frag, FRAG_REGS)
             fence_registers(dq_acc, DQ_REGS)
             for n in range(DQ_TILES):
                 for e in range(4):
