@@ -138,6 +138,9 @@ def test_bad_input_errors(rng):
         numattn.decode(q, k, k, seqlens=np.array([3, 4], np.int64))
     with pytest.raises(ValueError, match="one entry per sequence"):
         numattn.decode(q, k, k, seqlens=np.array([3], np.int32))
+    wide = np.ones((2, 2, 10, 1040), np.float32)
+    with pytest.raises(ValueError, match="head_dim must be at most 1024, got 1040"):
+        numattn.decode(np.ones((2, 4, 1040), np.float32), wide, wide)
     with pytest.raises(ValueError, match=r"page_table\[1, 1\] = 9 is not a page index in \[0, 6\)"):
         numattn.paged_decode(q, pages, pages, np.array([[0, 1, 2], [3, 9, 5]], np.int32), np.array([12, 5], np.int32))
     with pytest.raises(ValueError, match="exceeds max_pages"):

@@ -69,6 +69,21 @@ def test_mla_decode_public_call(rng):
     assert max_error(o, reference.mla_decode(*args, scale=0.125)) <= ATOL["float16"]
 
 
+@pytest.mark.parametrize("library, rope", [("numpy", 16), ("torch", 0)])
+def test_mla_decode_in_float32(rng, library, rope):
+    """float32 (the test path through the decode kernel) at DeepSeek's rank, numpy and torch CPU, with LSE."""
+    args = _inputs(rng, 3, 5, 512, rope, 3, 6, "float32", library=library, device="cpu")
+    o, lse = numattn.mla_decode(*args, scale=0.05, return_lse=True)
+    assert type(o) is type(args[0]) and o.dtype == args[0].dtype and tuple(o.shape) == (3, 5, 512)
+    assert tuple(lse.shape) == (3, 5)
+    ref_o, ref_lse = reference.mla_decode(*args, scale=0.05, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["float32"]
+    lse = reference.to_float64(lse)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite) and not finite[-1].any()  # the last sequence is empty
+    assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-4
+
+
 @pytest.mark.parametrize("rank, rope", [(512, 64), (256, 64), (512, 0)])
 @pytest.mark.parametrize("cc", [(8, 0), (8, 6), (8, 9), (9, 0)])
 def test_mla_configurations_fit_each_architecture(rank, rope, cc):
@@ -98,8 +113,10 @@ def test_mla_bad_input_errors(rng):
         numattn.mla_decode(qn, qp, ckv, np.zeros((ckv.shape[0], 4, 32), np.float16), table, lengths, scale=0.1)
     with pytest.raises(ValueError, match="q_pe must be"):
         numattn.mla_decode(qn, qp[:1], ckv, kpe, table, lengths, scale=0.1)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="must share one dtype"):
         numattn.mla_decode(qn.astype(np.float32), qp, ckv, kpe, table, lengths, scale=0.1)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        numattn.mla_decode(qn.astype(np.float64), qp, ckv, kpe, table, lengths, scale=0.1)
     with pytest.raises(TypeError, match="scale is required"):
         numattn.mla_decode(qn, qp, ckv, kpe, table, lengths, scale=None)
     with pytest.raises(ValueError, match="multiple of 16"):

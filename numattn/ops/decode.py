@@ -44,11 +44,15 @@ from ..kernels.decode import (
     merge_kernel,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
-from .attention import LOG2E, MAX_HEAD_DIM, softmax_scale
+from .attention import LOG2E, softmax_scale
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
+# Head dims the decode takes: up to 256 on either kernel; beyond, up to what the CUDA-core kernel holds
+# (a row over 32 lanes, at most 32 floats each), on that kernel alone.
+MAX_MMA_HEAD_DIM = 256
+MAX_DECODE_HEAD_DIM = 1024
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,8 @@ def _common_checks(q_op, q4, k_op, v_op, k4, v4):
     if heads_q % heads_kv:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
     for name, d in (("q/k head_dim", head_dim), ("v head_dim", v4.shape[3])):
-        if d > MAX_HEAD_DIM:
-            raise ValueError(f"{name} must be at most {MAX_HEAD_DIM}, got {d}")
+        if d > MAX_DECODE_HEAD_DIM:
+            raise ValueError(f"{name} must be at most {MAX_DECODE_HEAD_DIM}, got {d}")
 
 
 def _caches(q_op, q4, k, v, names, text, axes):
@@ -312,7 +316,8 @@ class _Plan:
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
         split_args = None
-        if decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0):
+        if (decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0)
+                and max(p.head_dim, p.head_dim_v) <= MAX_MMA_HEAD_DIM):
             fitting = [n for n in MMA_STAGES if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
             if fitting:
                 self.stages, rows = fitting[0], MMA_ROWS

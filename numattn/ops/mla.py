@@ -17,7 +17,15 @@ from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
 from .attention import LOG2E, softmax_scale
-from .decode import TorchOutputs, _signature, _where, check_lengths_and_pages, page_indices, split_count
+from .decode import (
+    TorchOutputs,
+    _signature,
+    _where,
+    check_lengths_and_pages,
+    page_indices,
+    paged_decode,
+    split_count,
+)
 
 MAX_RANK, MAX_ROPE = 512, 64
 
@@ -60,8 +68,8 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     for op, name, text in zip(ops, names, texts):
         if len(op.shape) != 3:
             raise ValueError(f"{name} must be 3-D {text}, got shape {op.shape}")
-        if op.dtype not in ("float16", "bfloat16"):
-            raise TypeError(f"{name} has dtype {op.dtype}; mla_decode takes float16 or bfloat16")
+        if op.dtype not in ("float16", "bfloat16", "float32"):
+            raise TypeError(f"{name} has dtype {op.dtype}; mla_decode takes float16, bfloat16 or float32")
     qn, qp, ckv, kpe = ops
     if len({op.dtype for op in ops}) > 1:
         raise TypeError("q_nope, q_pe and the caches must share one dtype, got " +
@@ -84,8 +92,9 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     if rank % 16 or rank > MAX_RANK or rope % 16 or rope > MAX_ROPE:
         raise ValueError(f"kv_lora_rank must be a multiple of 16 up to {MAX_RANK} and rope_dim a multiple of 16 up "
                          f"to {MAX_ROPE} (0 allowed), got {rank} and {rope}")
-    for op, name in zip(ops, names):
-        _aligned_rows(op, name)
+    if qn.dtype != "float32":  # float32 goes through a concatenated copy of the caches
+        for op, name in zip(ops, names):
+            _aligned_rows(op, name)
     t_op, s_op = page_indices(page_table, seqlens, batch, qn.device)
     shapes = tuple((op.shape, op.strides) for op in (*ops, t_op, s_op))
     return MlaProblem(batch, heads, rank, rope, ckv.shape[1], ckv.shape[0], t_op.shape[1], qn.dtype, qn.device,
@@ -224,7 +233,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
 
     Parameters
     ----------
-    q_nope : ``[batch, heads, kv_lora_rank]``, float16 or bfloat16.
+    q_nope : ``[batch, heads, kv_lora_rank]``, float16 or bfloat16 (float32 for tests: the CUDA-core
+        decode kernel over a copy of the caches with ``[ckv | kpe]`` keys, made on every call).
     q_pe : ``[batch, heads, rope_dim]`` (``rope_dim`` may be 0).
     ckv_cache : ``[num_pages, page_size, kv_lora_rank]``: the latent rows (keys and values).
     kpe_cache : ``[num_pages, page_size, rope_dim]``: their rotary parts (keys only).
@@ -261,6 +271,8 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         p = _validate(*arrays, scale, return_lse)
+        if p.dtype == "float32":
+            return _through_decode(arrays, p, check)
         plan = planned(p, *(_tuned(p) or (None, None))) if p.device is None or SIMULATOR or key is not None else None
         if plan is None:
             raise TypeError(f"mla_decode on a GPU takes torch tensors (or host arrays), got {type(q_nope).__name__} "
@@ -274,6 +286,25 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
         check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size",
                                 p.page_size, p.num_pages)
     return plan(*arrays)
+
+
+def _through_decode(arrays, p, check):
+    """float32, a path for tests: ``paged_decode`` (its CUDA-core kernel) over one KV head whose keys
+    are ``[ckv | kpe]``, concatenated into a copy on every call, and whose values are ``ckv``."""
+    q_nope, q_pe, ckv, kpe, page_table, seqlens = arrays
+    if all(is_torch(x) for x in arrays[:4]):
+        import torch
+
+        concatenate = torch.cat
+    elif all(isinstance(x, np.ndarray) for x in arrays[:4]):
+        concatenate = np.concatenate
+    else:
+        raise TypeError(f"float32 mla_decode takes torch tensors or numpy arrays, got {type(q_nope).__name__}")
+    q = concatenate([q_nope, q_pe], -1)
+    keys = concatenate([ckv, kpe], -1)[:, :, None, :]
+    result = paged_decode(q, keys, ckv[:, :, None, :], page_table, seqlens, scale=p.scale, kv_layout="nhd",
+                          return_lse=p.return_lse, check=check)
+    return (result[0], result[1][:, :, 0]) if p.return_lse else result
 
 
 def planned(p, config=None, splits=None):

@@ -183,6 +183,8 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
 
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
     p = module._validate(*arrays, scale, return_lse)
+    if p.dtype == "float32":
+        raise TypeError("tune(mla_decode, ...) tunes the float16 and bfloat16 kernels; float32 runs the decode kernel")
     limits = device_limits(0 if p.device is None else p.device)
     row_bytes = 2 * (p.rank + p.rope)
     configs = mla_candidates(p.rank, p.rope, limits["cc"])
