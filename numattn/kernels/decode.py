@@ -80,6 +80,7 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
     return chunk, lanes, per_lane, per_lane_v, rows
 
 
+MAX_MMA_HEAD_DIM = 256  # head dims of the tensor-core kernel; beyond, the CUDA-core kernel runs
 MAX_SPLITS = 64  # key splits per row at most (the combine keeps a weight per row and split)
 MERGE_ELEMS = 4  # output elements per thread whose partials the combine loads together
 MERGE_SPLITS = 8  # ... and splits
@@ -498,8 +499,10 @@ def merge_kernel(dtype, head_dim_v):
 MMA_ROWS = 16  # query rows per block (one m16 tile; a larger group takes several blocks)
 MMA_KEYS = 16  # keys per warp tile
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
-    """Whether the tensor-core decode kernel takes this dtype, these head dims and this alignment."""
-    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0 and vector_loads
+    """Whether the tensor-core decode kernel takes this dtype, these head dims (multiples of 16 up to
+    ``MAX_MMA_HEAD_DIM``) and this alignment."""
+    return (dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
+            and max(head_dim, head_dim_v) <= MAX_MMA_HEAD_DIM and vector_loads)
 
 
 def decode_mma_shared_bytes(head_dim, head_dim_v, stages):

@@ -49,9 +49,8 @@ from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
-# Head dims the decode takes: up to 256 on either kernel; beyond, up to what the CUDA-core kernel holds
-# (a row over 32 lanes, at most 32 floats each), on that kernel alone.
-MAX_MMA_HEAD_DIM = 256
+# Head dims the decode takes: what the CUDA-core kernel holds (a row over 32 lanes, at most 32 floats
+# each); the tensor-core kernel takes up to 256 (``decode_mma_supported``).
 MAX_DECODE_HEAD_DIM = 1024
 
 
@@ -316,8 +315,7 @@ class _Plan:
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
         split_args = None
-        if (decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0)
-                and max(p.head_dim, p.head_dim_v) <= MAX_MMA_HEAD_DIM):
+        if decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0):
             fitting = [n for n in MMA_STAGES if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
             if fitting:
                 self.stages, rows = fitting[0], MMA_ROWS
