@@ -179,6 +179,23 @@ def test_decode_on_gpu_realistic(rng, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim, head_dim_v", [("float16", 512, 512), ("bfloat16", 320, 576), ("float32", 1024, 256)])
+def test_decode_on_gpu_wide_heads(rng, dtype, head_dim, head_dim_v):
+    """Head dims past the tensor-core kernel's 256 (the CUDA-core kernel), contiguous and paged, split."""
+    batch, heads_q, heads_kv, max_len = 3, 8, 2, 1500
+    q = torch.from_numpy(_random(rng, (batch, heads_q, head_dim), "float32")).cuda().to(getattr(torch, dtype))
+    k, v = (torch.from_numpy(_random(rng, (batch, heads_kv, max_len, d), "float32")).cuda().to(q.dtype)
+            for d in (head_dim, head_dim_v))
+    lengths = torch.from_numpy(_lengths(rng, batch, max_len)).cuda()
+    ref = reference.decode(q, k, v, seqlens=lengths)
+    assert max_error(numattn.decode(q, k, v, seqlens=lengths), ref) <= ATOL[dtype]
+    from numattn.bench import paged_copy
+
+    k_pages, v_pages, table = paged_copy(torch, k, v, 16)
+    assert max_error(numattn.paged_decode(q, k_pages, v_pages, table, lengths), ref) <= ATOL[dtype]
+
+
+@pytest.mark.gpu
 def test_decode_cuda_graph_capture(rng):
     q = torch.randn(4, 16, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(4, 4, 2048, 128, device="cuda", dtype=torch.float16)

@@ -157,3 +157,17 @@ def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
         assert max_error(o, ref_o) <= ATOL["bfloat16"]
     assert max_error(numattn.mla_decode(*args, scale=0.07), ref_o) <= ATOL["bfloat16"]
+
+
+@pytest.mark.gpu
+def test_mla_decode_float32_on_gpu(rng):
+    """float32 on the GPU (the decode kernel over the concatenated keys), DeepSeek's sizes, with LSE."""
+    args = _inputs(rng, 4, 16, 512, 64, 16, 40, "float32", library="torch", device="cuda")
+    o, lse = numattn.mla_decode(*args, scale=0.07, return_lse=True)
+    assert o.is_cuda and o.dtype == torch.float32
+    ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["float32"]
+    lse = reference.to_float64(lse)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-4

@@ -185,6 +185,22 @@ def test_ldmatrix_mma_fragments(rng, bf16, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_stmatrix_trans_inverts_the_fragment_layout(rng, where):
+    """ldmatrix fragments stored back with stmatrix .trans, each 8×8 block addressed at its mirror: Aᵀ."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    if where == "gpu" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("stmatrix needs sm_90")
+    from numba import cuda
+    from warp_kernels import SHARED_BYTES, transpose_kernel
+
+    a = rng.integers(0, 1 << 16, size=(16, 16), dtype=np.uint16)
+    out = cuda.to_device(np.zeros((16, 16), np.uint16))
+    transpose_kernel[1, 32, 0, SHARED_BYTES](cuda.to_device(a), out)
+    np.testing.assert_array_equal(out.copy_to_host(), a.T)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")

@@ -31,6 +31,7 @@ from numattn.kernels.ptx import (
     pack_f16x2,
     shfl_xor_f32,
     st_shared_b32,
+    stmatrix_x4_trans,
     unpack_bf16x2,
     unpack_f16x2,
     wgmma_commit,
@@ -89,6 +90,27 @@ def make_mma_kernel(bf16):
             d_from_b[g, col], d_from_b[g, col + 1], d_from_b[g + 8, col], d_from_b[g + 8, col + 1] = y
 
     return kernel
+
+
+@cuda.jit
+def transpose_kernel(a, out):
+    """``out = aᵀ`` for a 16×16 b16 tile: ldmatrix into the mma fragment layout, stmatrix .trans back out."""
+    smem = cuda.shared.array(0, uint16)
+    a_s = tile_view(smem, 0, 16, ROW)
+    t_s = tile_view(smem, 16 * ROW, 16, ROW)
+    lane = cuda.threadIdx.x
+    row, half = lane // 2, (lane % 2) * 8
+    cp_async_16(a_s, row, half, a, (row, half), 16)
+    cp_async_commit()
+    cp_async_wait_group(0)
+    cuda.syncthreads()
+    m = lane // 8
+    a0, a1, a2, a3 = ldmatrix_x4(a_s, lane % 8 + 8 * (m % 2), 8 * (m // 2))  # blocks (0,0) (1,0) (0,1) (1,1)
+    stmatrix_x4_trans(t_s, lane % 8 + 8 * (m // 2), 8 * (m % 2), a0, a1, a2, a3)  # block (r,c) to (c,r), transposed
+    cuda.syncthreads()
+    if lane < 16:
+        for c in range(16):
+            out[lane, c] = t_s[lane, c]
 
 
 @cuda.jit

@@ -14,8 +14,9 @@ and writes dS (query rows × key columns) to shared memory, from which the
 block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
 accumulator: the warpgroups stage the tile's dQ rows in shared memory, and a
-thread per row adds its row with a bulk asynchronous reduction
-(``cp.reduce.async.bulk``). Q and dO tiles, with their rows of lse₂ and
+thread per row (an equal share of rows in every warp) adds its row with a bulk asynchronous reduction
+(``cp.reduce.async.bulk``); with two staging buffers a tile's reduction
+reads its rows while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through two ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx.py``).
 
@@ -41,6 +42,8 @@ from .ptx import (
     cp_async_wait_group,
     fence_proxy_async,
     fence_registers,
+    forget_registers,
+    stmatrix_x4_trans,
     wgmma_commit,
     wgmma_fence,
     wgmma_rs_bf16,
@@ -49,7 +52,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from .tiles import NARROW, key_block, sw128_cell, tile_copier, tile_view
+from .tiles import key_block, sw128_cell, tile_copier, tile_view
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 STAGES = 2
@@ -58,12 +61,14 @@ DQ_PAD = 4  # float32 elements after each staged dQ row: 16-byte aligned rows, t
 
 @dataclass(frozen=True)
 class BackwardWgmmaConfig:
-    """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each."""
+    """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
+    shared-memory buffers for the dQ tiles on their way to the float32 accumulator."""
 
     warpgroups: int = 2
+    dq_stages: int = 2
 
     def __post_init__(self):
-        if self.warpgroups not in (1, 2):
+        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2):
             raise ValueError(f"inconsistent wgmma backward configuration {self}")
 
     @property
@@ -84,11 +89,11 @@ class BackwardWgmmaConfig:
 
     def shared_bytes(self, head_dim, head_dim_v):
         """K, V, two stages of Q and dO, the dS tile (16-bit), two stages of lse₂ and delta rows and the
-        dQ tile (float32), and slack to align the swizzled tiles."""
+        dQ tiles (float32), and slack to align the swizzled tiles."""
         n = self.block_n
         halves = n * (head_dim + head_dim_v) + STAGES * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
-        dq_stage = BLOCK_M * (head_dim + DQ_PAD)
-        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_stage) + SW128_ALIGN
+        dq_tiles = self.dq_stages * BLOCK_M * (head_dim + DQ_PAD)
+        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
 def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
@@ -97,9 +102,10 @@ def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 
 def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
-    """Two warpgroups where they fit (registers: head dims up to 128), else one; None if neither fits."""
-    candidates = (BackwardWgmmaConfig(2), BackwardWgmmaConfig(1)) if max(head_dim, head_dim_v) <= 128 else (
-        BackwardWgmmaConfig(1),)
+    """Two warpgroups where they fit (registers: head dims up to 128), else one, each with two dQ buffers
+    where they fit, else one; None if nothing fits."""
+    groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
+    candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     for config in candidates:
         if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config
@@ -110,7 +116,10 @@ def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
 def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
     """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2)``, arguments and
     launch as for ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
-    GROUPS, BLOCK_N, NUM_THREADS = config.warpgroups, config.block_n, config.num_threads
+    GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
+    DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
+    # every warp adds ROW_SHARE rows of a dQ tile: a warp issues its lanes' bulk operations one after another
+    ROW_SHARE = BLOCK_M // (NUM_THREADS // 32)
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     MTILES, MSTEPS = BLOCK_M // 8, BLOCK_M // 16  # n8 tiles of Sᵀ; k-steps of dV, dK
@@ -130,11 +139,10 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
     DS_ROW0 = DO_ROW0 + STAGES * DO_ROWS  # dS: BLOCK_M query rows × BLOCK_N key columns
     VIEW_ROWS = DS_ROW0 + BLOCK_M * BLOCK_N // 64
     ROWS_OFF = 32 * VIEW_ROWS  # float32 elements after the view: per stage, rows of lse2 and delta
-    DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tile
+    DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tiles
     DQ_ROW = D + DQ_PAD
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
-    narrow = NARROW[dtype]
     copy_tile = tile_copier(NUM_THREADS, sw128_cell)
     copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
@@ -164,7 +172,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
         key0 = 16 * warp  # the warp's first key within the block (warpgroup wg: keys 64wg ..)
         dq_row0 = 16 * (warp % 4)  # the warp's dQ rows within a query tile
         dq_col0 = DQ_N * wg  # the warpgroup's dQ columns
-        dq_stage = tile_view(rows_f, DQ_OFF, BLOCK_M, DQ_ROW)
+        reducer = lane < ROW_SHARE
+        reduced_row = ROW_SHARE * warp + lane  # the dQ row a reducer adds
 
         copy_tile(view, K_ROW0, BLOCK_N, k, b, h_kv, n0, seqlen_kv, D)
         copy_tile(view, V_ROW0, BLOCK_N, v, b, h_kv, n0, seqlen_kv, DV)
@@ -191,8 +200,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
 
         for it in range(n_iters):
             stage = it % STAGES
-            if cuda.threadIdx.x < BLOCK_M:
-                bulk_wait_read(0)  # the previous tile's dQ reduction has read this thread's staged row
+            dq_off = DQ_OFF + (it % DQ_STAGES) * BLOCK_M * DQ_ROW  # this tile's dQ buffer
+            if reducer:
+                bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
             cp_async_wait_group(0)  # tile it has landed
             fence_proxy_async()  # this thread's copies, visible to wgmma
             cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
@@ -213,6 +223,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
 
             # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warpgroup's 64 keys: k-step ks reads 16 columns of panel ks // 4
+            forget_registers(s, S_REGS)
+            forget_registers(dp, S_REGS)
             wgmma_fence()
             for ks in range(KSTEPS):
                 wgmma_ss(s, BLOCK_M, smem, k_tile + 64 * ((ks // 4) * BLOCK_N + 64 * wg) + 16 * (ks % 4),
@@ -242,16 +254,17 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
                          smem, q_tile + 64 * 16 * kk, 64 * BLOCK_M, True, True)
             wgmma_commit()
 
-            # dS into shared memory, query-major: entry e of tile n is query 8n + 2t + e % 2, key key0 + g + 8(e // 2)
-            for n in range(MTILES):
-                for e in range(4):
-                    row, col = sw128_cell(DS_ROW0, BLOCK_M, 8 * n + 2 * t + e % 2, key0 + 8 * (e // 2))
-                    view[row, col + g] = narrow(dp[0, n, e])
+            # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
+            # queries 16kk + 8(i // 2) ..), stored transposed; lane 8i + j addresses query row j of block i
+            for kk in range(MSTEPS):
+                row, col = sw128_cell(DS_ROW0, BLOCK_M, 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
+                stmatrix_x4_trans(view, row, col, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3])
             fence_proxy_async()
             cuda.syncthreads()  # dS complete
 
             # dQ = dS K for the warpgroup's columns: A = dS (K-major), B = K tile rows 16kk .. (MN-major),
             # queued behind dV and dK (no drain in between)
+            forget_registers(dq_acc, DQ_REGS)
             wgmma_fence()
             for kk in range(NSTEPS):
                 wgmma_ss(dq_acc, DQ_N, smem, ds_tile + 64 * ((kk // 4) * BLOCK_M) + 16 * (kk % 4),
@@ -263,17 +276,19 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             fence_registers(p_frag, FRAG_REGS)
             fence_registers(ds_frag, FRAG_REGS)
             fence_registers(dq_acc, DQ_REGS)
+            dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
             for n in range(DQ_TILES):
                 for e in range(4):
                     dq_stage[dq_row0 + g + 8 * (e // 2), dq_col0 + 8 * n + 2 * t + e % 2] = dq_acc[n, e] * scale
             fence_proxy_async()
             cuda.syncthreads()  # the tile's dQ rows are staged
-            r = cuda.threadIdx.x
-            if r < BLOCK_M and m0 + r < seqlen_q:
-                bulk_reduce_add_f32(dq, (b, h, m0 + r, 0), rows_f, DQ_OFF + r * DQ_ROW, 4 * D)
+            if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
+                r = reduced_row
+                if m0 + r < seqlen_q:
+                    bulk_reduce_add_f32(dq, (b, h, m0 + r, 0), rows_f, dq_off + r * DQ_ROW, 4 * D)
                 bulk_commit()
 
-        if cuda.threadIdx.x < BLOCK_M:
+        if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
         store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
         store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, 1.0, g, t)

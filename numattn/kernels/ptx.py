@@ -570,6 +570,43 @@ _bind(ldmatrix_x4, _ldmatrix_lowering(""))
 _bind(ldmatrix_x4_trans, _ldmatrix_lowering(".trans"))
 
 
+def stmatrix_x4_trans(tile, row, col, r0, r1, r2, r3):
+    """``stmatrix_x4_trans(tile, row, col, r0, r1, r2, r3)``: store four 8×8 b16 matrices, each transposed.
+
+    The inverse of ``ldmatrix_x4_trans``: ``ri`` holds this lane's entries of
+    matrix i in the mma fragment layout (row ``lane // 4``, columns
+    ``2 (lane % 4)`` and + 1); column j of matrix i is stored as the 8
+    elements from ``tile[row, col]`` of lane ``8 i + j``. ``tile`` is a 2-D
+    uint16 shared-memory array. Emits
+    ``stmatrix.sync.aligned.m8n8.x4.trans.shared.b16`` (sm_90).
+    """
+    lanes = _warp_gather((tile, row, col))
+    g, t = divmod(_lane(), 4)
+    for i, reg in enumerate((r0, r1, r2, r3)):
+        for half in range(2):
+            dst, r, c = lanes[8 * i + 2 * t + half]
+            dst[r, c + g] = (int(reg) >> (16 * half)) & 0xFFFF
+    _warp_gather(None)  # every lane's stores are done before any lane goes on
+
+
+@intrinsic
+def _stmatrix_x4_trans(typingctx, tile, row, col, r0, r1, r2, r3):
+    if not (isinstance(tile, types.Array) and tile.ndim == 2 and tile.dtype == types.uint16):
+        return None
+    text = "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1,$2,$3,$4};"
+
+    def codegen(context, builder, sig, args):
+        address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:3], sig.args[1:3]))
+        regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
+        _asm(builder, text, "r,r,r,r,r,~{memory}", ir.VoidType(), [address, *regs], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(tile, row, col, r0, r1, r2, r3), codegen
+
+
+_bind(stmatrix_x4_trans, _stmatrix_x4_trans)
+
+
 # --------------------------------------------------------------------------
 # Asynchronous global-to-shared copies
 # --------------------------------------------------------------------------
@@ -1113,6 +1150,47 @@ def _fence_registers_gpu(acc, count):
 
     def impl(acc, count):
         return _fence_registers(acc, COUNT)
+
+    return impl
+
+
+def forget_registers(acc, count):
+    """``forget_registers(acc, COUNT)``: the values in ``acc[:COUNT]`` are dead from here on.
+
+    For a float32 accumulator whose next product overwrites it (``accumulate``
+    False at its first k-step): a wgmma reads its accumulator registers even
+    then, so without this the values of the previous product stay live, in
+    registers or spilled, until the next one. Emits nothing (the registers
+    become undefined). The twin fills them with NaN, so that a read before the
+    next write shows.
+    """
+    acc.reshape(-1)[:count] = np.nan
+
+
+@intrinsic
+def _forget_registers(typingctx, acc, count):
+    if not isinstance(count, types.IntegerLiteral) or getattr(acc, "dtype", None) != types.float32:
+        return None
+    n = count.literal_value
+
+    def codegen(context, builder, sig, args):
+        array = make_array(sig.args[0])(context, builder, args[0])
+        intp = context.get_value_type(types.intp)
+        for i in range(n):
+            builder.store(ir.Constant(_f32, ir.Undefined), builder.gep(array.data, [ir.Constant(intp, i)]))
+        return context.get_dummy_value()
+
+    return types.none(acc, count), codegen
+
+
+@overload(forget_registers, target="cuda", prefer_literal=True, inline="always")
+def _forget_registers_gpu(acc, count):
+    COUNT = _literal_int(count)
+    if COUNT is None:
+        return None
+
+    def impl(acc, count):
+        return _forget_registers(acc, COUNT)
 
     return impl
 
