@@ -13,10 +13,12 @@ Per tile a warpgroup computes
 and writes dS (query rows × key columns) to shared memory, from which the
 block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
-accumulator: the warpgroups stage the tile's dQ rows in shared memory, and a
-thread per row (an equal share of rows in every warp) adds its row with a bulk asynchronous reduction
-(``cp.reduce.async.bulk``); with two staging buffers a tile's reduction
-reads its rows while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
+accumulator: the warpgroups stage the tile's dQ rows in shared memory (rows
+padded so that 8-byte stores meet no bank conflicts), and a thread per row (an
+equal share in every warp) adds its row with a bulk asynchronous reduction
+(``cp.reduce.async.bulk``; one per row measured faster than one per two or four
+rows); with two staging buffers a tile's reductions read while the next tile
+is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through two ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx.py``).
 
@@ -43,6 +45,7 @@ from .ptx import (
     fence_proxy_async,
     fence_registers,
     forget_registers,
+    st_shared_v2_f32,
     stmatrix_x4_trans,
     wgmma_commit,
     wgmma_fence,
@@ -56,7 +59,7 @@ from .tiles import key_block, sw128_cell, tile_copier, tile_view
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 STAGES = 2
-DQ_PAD = 4  # float32 elements after each staged dQ row: 16-byte aligned rows, two-way bank conflicts at most
+DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8-byte stores free of bank conflicts
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
     launch as for ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
-    # every warp adds ROW_SHARE rows of a dQ tile: a warp issues its lanes' bulk operations one after another
+    # each staged dQ row is added by one bulk reduction; every warp issues an equal share of them (a warp
+    # issues its lanes' bulk operations one after another)
     ROW_SHARE = BLOCK_M // (NUM_THREADS // 32)
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
@@ -277,15 +281,15 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             fence_registers(ds_frag, FRAG_REGS)
             fence_registers(dq_acc, DQ_REGS)
             dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
-            for n in range(DQ_TILES):
-                for e in range(4):
-                    dq_stage[dq_row0 + g + 8 * (e // 2), dq_col0 + 8 * n + 2 * t + e % 2] = dq_acc[n, e] * scale
+            for half in range(2):
+                for n in range(DQ_TILES):
+                    st_shared_v2_f32(dq_stage, dq_row0 + g + 8 * half, dq_col0 + 8 * n + 2 * t,
+                                     dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
             fence_proxy_async()
             cuda.syncthreads()  # the tile's dQ rows are staged
             if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
-                r = reduced_row
-                if m0 + r < seqlen_q:
-                    bulk_reduce_add_f32(dq, (b, h, m0 + r, 0), rows_f, dq_off + r * DQ_ROW, 4 * D)
+                if m0 + reduced_row < seqlen_q:
+                    bulk_reduce_add_f32(dq, (b, h, m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW, 4 * D)
                 bulk_commit()
 
         if reducer:

@@ -848,6 +848,33 @@ def _st_shared_b32(typingctx, dst, row, col, value):
 _bind(st_shared_b32, _st_shared_b32)
 
 
+def st_shared_v2_f32(dst, row, col, a, b):
+    """``st_shared_v2_f32(dst, row, col, a, b)``: store float32 ``a``, ``b`` over ``dst[row, col : col + 2]``.
+
+    ``dst`` is a 2-D shared float32 array, 8-byte aligned there. Emits ``st.shared.v2.f32``.
+    """
+    dst[row, col] = a
+    dst[row, col + 1] = b
+
+
+@intrinsic
+def _st_shared_v2_f32(typingctx, dst, row, col, a, b):
+    if not (isinstance(dst, types.Array) and dst.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        shared = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]), (args[2], sig.args[2]))
+        pair = [context.cast(builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:])]
+        _asm(builder, "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}", ir.VoidType(), [shared, *pair],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(dst, row, col, a, b), codegen
+
+
+_bind(st_shared_v2_f32, _st_shared_v2_f32)
+
+
 def copy_16_to_global(dst, index, src, row, col):
     """``copy_16_to_global(dst, index, src, row, col)``: copy 16 bytes from shared ``src[row, col]`` to global ``dst[index]``.
 
