@@ -55,6 +55,18 @@ def test_gradients_match_float64(causal, shape):
     check_gradients(q, k, v, causal)
 
 
+@pytest.mark.filterwarnings("ignore:Input #")  # gradcheck's note that the inputs are not float64
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradcheck(causal):
+    """torch.autograd.gradcheck of the autograd function: its backward against finite differences of its
+    own forward, every Jacobian entry. The kernels take no float64, so float32 with a step and tolerances
+    to match (they catch gradients 1% off)."""
+    torch.manual_seed(0)
+    q, k, v = leaf((1, 2, 3, 8), torch.float32), leaf((1, 1, 5, 8), torch.float32), leaf((1, 1, 5, 8), torch.float32)
+    assert torch.autograd.gradcheck(lambda q, k, v: nt.attention(q, k, v, causal=causal), (q, k, v), eps=1e-2,
+                                    atol=5e-4, rtol=5e-3)
+
+
 def test_gradients_for_a_subset_non_contiguous_inputs_and_no_grad():
     # (batch, seq, heads, dim) leaves seen as (batch, heads, seq, dim): strided views; q wants no gradient
     k_leaf, v_leaf = torch.randn(1, 9, 2, 16, requires_grad=True), torch.randn(1, 9, 2, 16, requires_grad=True)
