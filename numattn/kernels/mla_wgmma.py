@@ -58,7 +58,10 @@ from .ptx import (
     wgmma_fence,
     wgmma_rs_bf16,
     wgmma_rs_f16,
+    wgmma_descriptor,
     wgmma_ss_bf16,
+    wgmma_ss_desc_bf16,
+    wgmma_ss_desc_f16,
     wgmma_ss_f16,
     wgmma_wait,
 )
@@ -125,6 +128,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     SPLIT, WRITE_LSE = split, write_lse
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    wgmma_ss_desc = wgmma_ss_desc_bf16 if bf16 else wgmma_ss_desc_f16
     pack = pack_bf16x2 if bf16 else pack_f16x2
     init, scale_and_mask, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
     pack_p = p_fragments(PSTEPS, dtype)
@@ -168,15 +172,15 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     @cuda.jit(device=True, inline="always")
     def issue_scores(s, smem, start, stage):
         """Start ``S = Q Kᵀ`` on the tile in ring ``stage``: four k-steps per 64-column panel of the Q
-        and latent tiles (the offsets stay free of runtime divisions)."""
-        tile = start + 64 * (Q_ROWS + stage * TILE_ROWS)
+        and latent tiles, their descriptors the tile's first plus constants (16-byte units)."""
+        q_desc = wgmma_descriptor(smem, start, 0)
+        k_desc = wgmma_descriptor(smem, start + 64 * (Q_ROWS + stage * TILE_ROWS), 0)
         wgmma_fence()
         for panel in range(PANELS):
-            a_panel = start + 64 * HEADS_PER_BLOCK * panel
-            b_panel = tile + 64 * BLOCK_N * panel
             for u in range(4):
                 if KSTEPS % 4 == 0 or 4 * panel + u < KSTEPS:
-                    wgmma_ss(s, BLOCK_N, smem, a_panel + 16 * u, b_panel + 16 * u, 0, False, panel > 0 or u > 0)
+                    wgmma_ss_desc(s, BLOCK_N, q_desc + 8 * HEADS_PER_BLOCK * panel + 2 * u,
+                                  k_desc + 8 * BLOCK_N * panel + 2 * u, False, panel > 0 or u > 0)
         wgmma_commit()
 
     @cuda.jit(device=True, inline="always")

@@ -1008,14 +1008,63 @@ def _wgmma_ir(builder, context, acc_type, acc, text, count, operands, operand_co
         builder.store(builder.extract_value(out, i), slot)
 
 
+class _Descriptor:
+    """Twin of a matrix descriptor: the operand at element ``offset`` of ``buf``, ``panel`` elements between
+    MN-major panels; adding ``k`` moves it ``16 · k`` bytes on, as adding to the real descriptor does."""
+
+    def __init__(self, buf, offset, panel):
+        self.buf, self.offset, self.panel = buf, int(offset), int(panel)
+
+    def __add__(self, units):
+        return _Descriptor(self.buf, self.offset + 8 * int(units), self.panel)
+
+    __radd__ = __add__
+
+
+def wgmma_descriptor(buf, offset, panel):
+    """``wgmma_descriptor(buf, offset, panel) -> int64``: the matrix descriptor of the SW128 operand at
+    element ``offset`` of the shared ``buf`` (1-D uint16), ``panel`` elements between its MN-major
+    64-column panels (0 for a K-major operand).
+
+    Adding ``k`` to a descriptor names the operand ``16 · k`` bytes (``8 · k``
+    elements) further on, so the descriptors of a tile's k-steps are one
+    descriptor plus constants, not an address conversion each.
+    """
+    return _Descriptor(buf, offset, panel)
+
+
+@intrinsic
+def _wgmma_descriptor(typingctx, buf, offset, panel):
+    if not (isinstance(buf, types.Array) and buf.ndim == 1):
+        return None
+
+    def codegen(context, builder, sig, args):
+        address = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
+        panel_bytes = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(_i64, 2))
+        k_major = builder.icmp_signed("==", panel_bytes, ir.Constant(_i64, 0))
+        return _descriptor(builder, address, builder.select(k_major, ir.Constant(_i64, 16), panel_bytes))
+
+    return types.int64(buf, offset, panel), codegen
+
+
+_bind(wgmma_descriptor, _wgmma_descriptor)
+
+
 def _make_wgmma(ptx_type, widen_bits):
-    """The ``wgmma_ss_*`` and ``wgmma_rs_*`` pair for one input type."""
+    """``wgmma_ss_*``, ``wgmma_rs_*`` and ``wgmma_ss_desc_*`` (operands named by descriptors) for one input type."""
+
+    def wgmma_ss_desc(acc, n, a_desc, b_desc, b_mn_major, accumulate):
+        row, tig = _warpgroup_position()
+        buf = np.asarray(a_desc.buf)
+        index = _swizzle128(a_desc.offset + 64 * np.array([[row], [row + 8]]) + np.arange(16)[None, :])
+        a = widen_bits(buf[index])
+        b = _operand_b(b_desc.buf, widen_bits, b_desc.offset, n, b_desc.panel, b_mn_major)
+        _store_d(acc, a @ b, tig, accumulate)
+
 
     def wgmma_ss(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
-        row, tig = _warpgroup_position()
-        index = _swizzle128(a_offset + 64 * np.array([[row], [row + 8]]) + np.arange(16)[None, :])
-        a = widen_bits(np.asarray(buf)[index])
-        _store_d(acc, a @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major), tig, accumulate)
+        wgmma_ss_desc(acc, n, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), b_mn_major,
+                      accumulate)
 
     def wgmma_rs(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
         A = _warp_gather((a0, a1, a2, a3), lambda lanes: _a_matrix(np.array(lanes, dtype=np.uint32), widen_bits))
@@ -1036,9 +1085,11 @@ def _make_wgmma(ptx_type, widen_bits):
     As ``wgmma_ss_{ptx_type}`` with A in registers: ``a0..a3`` are the warp's
     A fragment (mma.sync layout) of its 16 rows.
     """
+    wgmma_ss_desc.__doc__ = f"""``wgmma_ss_desc_{ptx_type}(acc, N, a_desc, b_desc, b_mn_major, accumulate)``: ``wgmma_ss_{ptx_type}``
+    with the operands named by descriptors (``wgmma_descriptor``)."""
 
     @intrinsic
-    def ss_ir(typingctx, acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
+    def ss_ir(typingctx, acc, n, a_desc, b_desc, b_mn_major, accumulate):
         N, trans = _literal_int(n), _literal_int(b_mn_major)
         if N is None or trans is None:
             return None
@@ -1046,19 +1097,15 @@ def _make_wgmma(ptx_type, widen_bits):
         text = _wgmma_text(N, ptx_type, f"${2 * count}", count, 2) + f"${2 * count + 1}, p, 1, 1, 0, {trans}; }}"
 
         def codegen(context, builder, sig, args):
-            buf_type = sig.args[2]
-            a = _shared_address(context, builder, buf_type, args[2], (args[3], sig.args[3]))
-            b = _shared_address(context, builder, buf_type, args[2], (args[4], sig.args[4]))
-            panel = builder.mul(context.cast(builder, args[5], sig.args[5], types.int64), ir.Constant(_i64, 2))
-            flag = builder.zext(context.cast(builder, args[7], sig.args[7], types.boolean), _i32)
-            descriptors = [_descriptor(builder, a, ir.Constant(_i64, 16)), _descriptor(builder, b, panel)]
+            descriptors = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3)]
+            flag = builder.zext(context.cast(builder, args[5], sig.args[5], types.boolean), _i32)
             _wgmma_ir(builder, context, sig.args[0], args[0], text, count, descriptors + [flag], ["l", "l", "r"])
             return context.get_dummy_value()
 
-        return types.none(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate), codegen
+        return types.none(acc, n, a_desc, b_desc, b_mn_major, accumulate), codegen
 
     @intrinsic
-    def rs_ir(typingctx, acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+    def rs_ir(typingctx, acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate):
         N, trans = _literal_int(n), _literal_int(b_mn_major)
         if N is None or trans is None:
             return None
@@ -1067,44 +1114,58 @@ def _make_wgmma(ptx_type, widen_bits):
         text = _wgmma_text(N, ptx_type, a_regs, count, 5) + f"${2 * count + 4}, p, 1, 1, {trans}; }}"
 
         def codegen(context, builder, sig, args):
-            buf_type = sig.args[6]
-            b = _shared_address(context, builder, buf_type, args[6], (args[7], sig.args[7]))
-            panel = builder.mul(context.cast(builder, args[8], sig.args[8], types.int64), ir.Constant(_i64, 2))
-            flag = builder.zext(context.cast(builder, args[10], sig.args[10], types.boolean), _i32)
-            operands = list(args[2:6]) + [_descriptor(builder, b, panel), flag]
+            descriptor = context.cast(builder, args[6], sig.args[6], types.int64)
+            flag = builder.zext(context.cast(builder, args[8], sig.args[8], types.boolean), _i32)
+            operands = list(args[2:6]) + [descriptor, flag]
             _wgmma_ir(builder, context, sig.args[0], args[0], text, count, operands, ["r"] * 4 + ["l", "r"])
             return context.get_dummy_value()
 
-        return types.none(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate), codegen
+        return types.none(acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate), codegen
+
+    def constants(n, b_mn_major):
+        return _literal_int(n), _literal_int(b_mn_major)  # both must be compile-time constants
+
+    @overload(wgmma_ss_desc, target="cuda", prefer_literal=True, inline="always")
+    def _ss_desc_gpu(acc, n, a_desc, b_desc, b_mn_major, accumulate):
+        N, MN = constants(n, b_mn_major)
+        if N is None or MN is None:
+            return None
+
+        def impl(acc, n, a_desc, b_desc, b_mn_major, accumulate):
+            return ss_ir(acc, N, a_desc, b_desc, MN, accumulate)
+
+        return impl
 
     @overload(wgmma_ss, target="cuda", prefer_literal=True, inline="always")
     def _ss_gpu(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
-        N, MN = _literal_int(n), _literal_int(b_mn_major)
+        N, MN = constants(n, b_mn_major)
         if N is None or MN is None:
-            return None  # N and b_mn_major must be compile-time constants
+            return None
 
         def impl(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
-            return ss_ir(acc, N, buf, a_offset, b_offset, b_panel, MN, accumulate)
+            return ss_ir(acc, N, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), MN,
+                         accumulate)
 
         return impl
 
     @overload(wgmma_rs, target="cuda", prefer_literal=True, inline="always")
     def _rs_gpu(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
-        N, MN = _literal_int(n), _literal_int(b_mn_major)
+        N, MN = constants(n, b_mn_major)
         if N is None or MN is None:
-            return None  # N and b_mn_major must be compile-time constants
+            return None
 
         def impl(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
-            return rs_ir(acc, N, a0, a1, a2, a3, buf, b_offset, b_panel, MN, accumulate)
+            return rs_ir(acc, N, a0, a1, a2, a3, wgmma_descriptor(buf, b_offset, b_panel), MN, accumulate)
 
         return impl
 
-    wgmma_ss.__name__, wgmma_rs.__name__ = f"wgmma_ss_{ptx_type}", f"wgmma_rs_{ptx_type}"
-    return wgmma_ss, wgmma_rs
+    for f, name in ((wgmma_ss, "wgmma_ss"), (wgmma_rs, "wgmma_rs"), (wgmma_ss_desc, "wgmma_ss_desc")):
+        f.__name__ = f"{name}_{ptx_type}"
+    return wgmma_ss, wgmma_rs, wgmma_ss_desc
 
 
-wgmma_ss_f16, wgmma_rs_f16 = _make_wgmma("f16", _widen_f16_bits)
-wgmma_ss_bf16, wgmma_rs_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
+wgmma_ss_f16, wgmma_rs_f16, wgmma_ss_desc_f16 = _make_wgmma("f16", _widen_f16_bits)
+wgmma_ss_bf16, wgmma_rs_bf16, wgmma_ss_desc_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
 
 
 def wgmma_fence():
