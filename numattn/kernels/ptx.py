@@ -1061,7 +1061,6 @@ def _make_wgmma(ptx_type, widen_bits):
         b = _operand_b(b_desc.buf, widen_bits, b_desc.offset, n, b_desc.panel, b_mn_major)
         _store_d(acc, a @ b, tig, accumulate)
 
-
     def wgmma_ss(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
         wgmma_ss_desc(acc, n, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), b_mn_major,
                       accumulate)
