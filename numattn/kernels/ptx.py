@@ -996,11 +996,16 @@ def _descriptor(builder, address, lbo_bytes):
     return builder.or_(builder.or_(start, field(lbo_bytes, 16)), fixed)
 
 
+def _element_slots(context, builder, array_type, array, count):
+    """Pointers to the first ``count`` elements of a (local) array."""
+    data = make_array(array_type)(context, builder, array).data
+    intp = context.get_value_type(types.intp)
+    return [builder.gep(data, [ir.Constant(intp, i)]) for i in range(count)]
+
+
 def _wgmma_ir(builder, context, acc_type, acc, text, count, operands, operand_constraints):
     """Load ``count`` accumulators, emit the asynchronous product, store the result registers back."""
-    array = make_array(acc_type)(context, builder, acc)
-    intp = context.get_value_type(types.intp)
-    slots = [builder.gep(array.data, [ir.Constant(intp, i)]) for i in range(count)]
+    slots = _element_slots(context, builder, acc_type, acc, count)
     values = [builder.load(slot) for slot in slots]
     constraints = ",".join(["=f"] * count + [str(i) for i in range(count)] + operand_constraints + ["~{memory}"])
     out = _asm(builder, text, constraints, ir.LiteralStructType([_f32] * count), values + operands, side_effect=True)
@@ -1219,26 +1224,29 @@ def _fence_registers(typingctx, acc, count):
     constraints, value_type = register
 
     def codegen(context, builder, sig, args):
-        array = make_array(sig.args[0])(context, builder, args[0])
-        intp = context.get_value_type(types.intp)
-        for i in range(n):
-            slot = builder.gep(array.data, [ir.Constant(intp, i)])
+        for slot in _element_slots(context, builder, sig.args[0], args[0], n):
             builder.store(_asm(builder, "", constraints, value_type, [builder.load(slot)], side_effect=True), slot)
         return context.get_dummy_value()
 
     return types.none(acc, count), codegen
 
 
-@overload(fence_registers, target="cuda", prefer_literal=True, inline="always")
-def _fence_registers_gpu(acc, count):
-    COUNT = _literal_int(count)
-    if COUNT is None:
-        return None
+def _bind_counted(twin, lowering):
+    """Make ``lowering(regs, COUNT)`` the GPU implementation of ``twin(regs, count)``, ``count`` a constant."""
 
-    def impl(acc, count):
-        return _fence_registers(acc, COUNT)
+    @overload(twin, target="cuda", prefer_literal=True, inline="always")
+    def _gpu(regs, count):
+        COUNT = _literal_int(count)
+        if COUNT is None:
+            return None
 
-    return impl
+        def impl(regs, count):
+            return lowering(regs, COUNT)
+
+        return impl
+
+
+_bind_counted(fence_registers, _fence_registers)
 
 
 def forget_registers(acc, count):
@@ -1261,25 +1269,14 @@ def _forget_registers(typingctx, acc, count):
     n = count.literal_value
 
     def codegen(context, builder, sig, args):
-        array = make_array(sig.args[0])(context, builder, args[0])
-        intp = context.get_value_type(types.intp)
-        for i in range(n):
-            builder.store(ir.Constant(_f32, ir.Undefined), builder.gep(array.data, [ir.Constant(intp, i)]))
+        for slot in _element_slots(context, builder, sig.args[0], args[0], n):
+            builder.store(ir.Constant(_f32, ir.Undefined), slot)
         return context.get_dummy_value()
 
     return types.none(acc, count), codegen
 
 
-@overload(forget_registers, target="cuda", prefer_literal=True, inline="always")
-def _forget_registers_gpu(acc, count):
-    COUNT = _literal_int(count)
-    if COUNT is None:
-        return None
-
-    def impl(acc, count):
-        return _forget_registers(acc, COUNT)
-
-    return impl
+_bind_counted(forget_registers, _forget_registers)
 
 
 def aligned_start(buf, alignment):
