@@ -496,7 +496,7 @@ def main(args):
         # the default, the wgmma kernel's other score schedule (sm_90), and the mma.sync kernel with
         # either schedule (sm_80 and later)
         schedules = [
-            MlaConfig(64, 2, 8, "shared", True),
+            MlaConfig(32, 3, 8, "duplicated", True),
             MlaConfig(16, 4, 4, "duplicated"),
             MlaConfig(16, 4, 8, "sharded"),
         ]

@@ -33,7 +33,7 @@ def report(ptx):
         "local_ops": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
         "mnemonics": sorted(
-            set(re.findall(r"^\s*(?:\{.*?; )?((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence)\.[\w.:]+)", ptx, re.M))
+            set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence)\.[\w.:]+)", ptx, re.M))
         ),
     }
 

@@ -39,7 +39,8 @@ DECODE_CASES = [  # dtype, batch, heads_q, heads_kv, max_seqlen, head_dim, page_
 MLA_CASES = [  # dtype, batch, heads, rank, rope, max_seqlen, page_size, configuration (None: default)
     ("bfloat16", 2, 20, 512, 64, 300, 1, None),
     ("float16", 3, 70, 256, 64, 200, 7, None),
-    ("float16", 2, 16, 512, 64, 260, 16, "shared"),  # the wgmma kernel's other schedule
+    ("float16", 2, 16, 512, 64, 260, 16, "duplicated"),  # the wgmma kernel's other schedule
+    ("bfloat16", 2, 20, 512, 64, 300, 1, "64-row"),  # the wgmma kernel with 64-row tiles in two stages
     ("bfloat16", 2, 16, 512, 0, 150, 3, "mma"),  # the mma.sync kernel
 ]
 
@@ -48,7 +49,8 @@ def run_mla_cases(rng):
     from numattn.kernels.mla import MlaConfig
     from numattn.ops import mla as module
 
-    configs = {"shared": MlaConfig(64, 2, 8, "shared", True), "mma": MlaConfig(16, 4, 8, "sharded")}
+    configs = {"duplicated": MlaConfig(32, 3, 8, "duplicated", True), "64-row": MlaConfig(64, 2, 8, "duplicated", True),
+               "mma": MlaConfig(16, 4, 8, "sharded")}
     for dtype, b, h, rank, rope, length, page_size, name in MLA_CASES:
         tdtype = getattr(torch, dtype)
         pages = -(-length // page_size)

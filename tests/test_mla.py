@@ -143,8 +143,9 @@ def test_mla_bad_input_errors(rng):
     [
         MlaConfig(16, 4, 8, "duplicated"),
         MlaConfig(16, 4, 8, "sharded"),
+        MlaConfig(32, 4, 8, "shared", True),
+        MlaConfig(32, 3, 8, "duplicated", True),
         MlaConfig(64, 2, 8, "duplicated", True),
-        MlaConfig(64, 2, 8, "shared", True),
     ],
 )
 @pytest.mark.parametrize("page_size", [1, 16])

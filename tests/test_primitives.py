@@ -246,6 +246,22 @@ def test_shared_word_stores_and_chunk_copies(rng, where):
     assert np.array_equal(out.copy_to_host(), expected)
 
 
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_copies_from_global_addresses(rng, where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import address_copy_kernel
+
+    src = rng.integers(0, 1 << 16, size=(8, 8, 40), dtype=np.uint16)
+    out = cuda.to_device(np.full((32, 16), 0xABCD, np.uint16))
+    address_copy_kernel[1, 32, 0, 32 * 16 * 2](cuda.to_device(src), out)
+    rows = src[:, ::2, :32].reshape(32, 32)
+    expected = np.concatenate([rows[:, 8:16], rows[:, 16:24]], axis=1)
+    expected[1::2, 12:] = 0
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_wgmma_swizzled_operands(rng, bf16, where):

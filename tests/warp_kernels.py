@@ -13,6 +13,7 @@ from numattn.kernels.ptx import (
     bulk_wait,
     bulk_wait_read,
     cp_async_16,
+    cp_async_16_at,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
@@ -20,6 +21,7 @@ from numattn.kernels.ptx import (
     ex2_approx,
     fence_proxy_async,
     fence_registers,
+    global_address,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     load_l2_f32,
@@ -153,6 +155,24 @@ def staging_kernel(words, out):
     if 2 <= lane < 16:
         copy_16_to_global(out, (lane // 2, 16 + 8 * (lane % 2)), tile, lane // 2, 8 * (lane % 2))
 
+
+
+@cuda.jit
+def address_copy_kernel(src, out):
+    """Lane l copies from the address of ``rows[l // 4, l % 4, 0]`` (``rows = src[:, ::2, :32]``, strided)
+    plus constant byte offsets: its elements 8..15 to ``out[l, 0:8]``, and 16..23 to ``out[l, 8:16]``
+    (odd lanes only 16..19, the rest zero-filled); ``cp_async_16_at``."""
+    smem = cuda.shared.array(0, uint16)
+    tile = tile_view(smem, 0, 32, 16)
+    lane = cuda.threadIdx.x
+    rows = src[:, ::2, :32]
+    row = global_address(rows, (lane // 4, lane % 4, 0))
+    cp_async_16_at(tile, lane, 0, row + 16, 16)
+    cp_async_16_at(tile, lane, 8, row + 32, 8 if lane % 2 else 16)
+    cp_async_commit()
+    cp_async_wait_group(0)
+    for c in range(16):
+        out[lane, c] = tile[lane, c]
 
 WG_N, WG_D, WG_K = 64, 128, 32  # wgmma test: S = A Bᵀ is 64×64 over 128, O = A[:, :32] · V is 64×64 over 32
 WG_TILES, WG_REGS = 8, 32  # n8 accumulator tiles of a 64-wide product, and its registers per thread

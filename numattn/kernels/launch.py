@@ -98,10 +98,16 @@ class CompiledKernel:
             kernel.bind()
             cufunc = kernel._codelibrary.get_cufunc()
             self.context = _check(_driver.cuCtxGetCurrent())[0]
+            # numba loads kernels as context-independent library kernels; the launch takes this context's
+            # function of it, which the driver otherwise looks up on every launch (about 2 µs of host time)
+            handle = cufunc.handle
+            if isinstance(handle, _driver.CUkernel):
+                self.function = _check(_driver.cuKernelGetFunction(handle))[0]
+            else:
+                self.function = _driver.CUfunction(int(handle))
         self.device_id = device_id
         self.label = label
         self.attributes = cufunc.attrs  # regs, shared (static), local (spills), const, maxthreads
-        self.function = _driver.CUfunction(int(cufunc.handle))
         self.shared_bytes = shared_bytes
         if shared_bytes > _DEFAULT_SHARED_LIMIT:
             limit = device_limits(device_id)["max_shared"]

@@ -157,20 +157,27 @@ def mla_candidates(rank, rope, cc):
     return [c for c in space if mla_config_error(c, rank, rope, cc) is None]
 
 
+# the measured best on an H100 (docs/benchmarks.md#mla-decode): warpgroup 0 computes the scores and
+# hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight)
+_SM90_MEASURED = MlaConfig(32, 4, 8, "shared", True)
+
+
 def mla_default_config(rank, rope, cc):
-    """The choice among ``mla_candidates``. Where the wgmma kernel runs: the largest tiles, duplicated
-    scores, then the most stages (measured on an H100: block_n counted for more than stages, and
-    duplicated scores beat shared ones; docs/benchmarks.md). Elsewhere: the most latent bytes in
-    flight per SM (two blocks per SM where they fit), then sharded scores, then fewer warps."""
+    """The choice among ``mla_candidates``. On sm_90: the wgmma kernel's measured best (``block_n`` 32,
+    4 stages, shared scores) where it fits, else the largest tiles, shared scores, then the most
+    stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM where they
+    fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
+    if _SM90_MEASURED in candidates:
+        return _SM90_MEASURED
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))
         if c.wgmma:
-            return (1, c.block_n, c.qk == "duplicated", c.stages)
+            return (1, c.block_n, c.qk == "shared", c.stages)
         return (0, blocks * (c.stages - 1) * c.block_n, c.qk == "sharded", -c.warps)
 
     return max(candidates, key=score)

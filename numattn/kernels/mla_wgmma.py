@@ -25,16 +25,17 @@ Each warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
 ``kpe`` columns), so that it can refill a buffer as soon as its own ``P V``
 of the buffer's tile is complete and the tile's scores are (an mbarrier per
 buffer and warpgroup when duplicated), without waiting for the other
-warpgroup's ``P V``: with two buffers, the next tile then loads during the
+warpgroup's ``P V``: the next ``stages - 1`` tiles then load during the
 scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
-share a latent row, so a thread looks up one page per tile, a tile ahead.
+share a latent row, so a thread looks up one page per tile, a tile ahead,
+and copies from its row's address plus constants.
 """
 
 import functools
 import math
 
 import numpy as np
-from numba import float32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
 from .online_softmax import p_fragments, quad_sum, softmax_steps
@@ -45,9 +46,11 @@ from .ptx import (
     barrier_sync,
     copy_16_to_global,
     cp_async_16,
+    cp_async_16_at,
     cp_async_mbarrier_arrive,
     fence_proxy_async,
     fence_registers,
+    global_address,
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_try_wait,
@@ -68,6 +71,7 @@ from .ptx import (
 from .tiles import sw128_cell, tile_view
 
 HEADS_PER_BLOCK = 64  # one m64 product
+ELEM = 2  # bytes per element: the kernel takes 16-bit floats
 GROUPS = 2  # warpgroups, each owning half the output columns
 THREADS = 128 * GROUPS
 _NEG_INF = np.float32(-np.inf)
@@ -134,11 +138,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     pack_p = p_fragments(PSTEPS, dtype)
 
     @cuda.jit(device=True, inline="always")
-    def locate(page_table, b, key, end, page_size, num_pages):
-        """(page, position) of latent row ``key`` of sequence ``b``; (0, 0) from ``end`` on."""
+    def locate(page_table, b, key, end, page_size):
+        """(page index as stored, position) of latent row ``key`` of sequence ``b``; (0, 0) from ``end``
+        on. The index stays int32 and is clamped where it is used, a tile later, so that nothing waits
+        for its read here (not even a sign extension)."""
         if key >= end:
-            return 0, 0
-        return min(max(page_table[b, key // page_size], 0), num_pages - 1), key % page_size
+            return int32(0), 0
+        return page_table[b, key // page_size], key % page_size
 
     @cuda.jit(device=True, inline="always")
     def load_tile_async(view, bars, ckv, kpe, stage, page, position, valid, group, r, lane):
@@ -147,20 +153,23 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
 
         The ``ROW_THREADS`` threads of a row take alternate 16-byte chunks (``lane`` the first),
         so that together they read whole sectors; a chunk's place in the swizzled panel row
-        depends on the thread alone, the panel adds a constant."""
+        depends on the thread alone, the panel adds a constant, and so does each chunk's offset
+        from the thread's first in the latent row."""
         nbytes = 16 if valid else 0
-        row0 = Q_ROWS + stage * TILE_ROWS + r
+        page = min(max(page, 0), ckv.shape[0] - 1)
+        first_panel = group * OWN_PANELS
+        row0 = Q_ROWS + stage * TILE_ROWS + first_panel * BLOCK_N + r
+        ckv_row = global_address(ckv, (page, position, 64 * first_panel + 8 * lane))
+        rope_row = global_address(kpe, (page, position, 8 * lane))
         for k in range(PANEL_COPIES):
-            chunk = lane + ROW_THREADS * k  # within the panel
-            col = (chunk ^ (r & 7)) * 8
+            col = ((lane + ROW_THREADS * k) ^ (r & 7)) * 8  # within the panel
             for p in range(OWN_PANELS):
-                panel = group * OWN_PANELS + p
-                cp_async_16(view, row0 + panel * BLOCK_N, col, ckv, (page, position, 64 * panel + 8 * chunk), nbytes)
+                cp_async_16_at(view, row0 + p * BLOCK_N, col, ckv_row + ELEM * (64 * p + 8 * ROW_THREADS * k), nbytes)
             if group == 0:
                 for p in range(ROPE_PANELS):
-                    if ROPE_CHUNKS % 8 == 0 or 8 * p + chunk < ROPE_CHUNKS:
-                        rope_row = row0 + (R // 64 + p) * BLOCK_N
-                        cp_async_16(view, rope_row, col, kpe, (page, position, 64 * p + 8 * chunk), nbytes)
+                    if ROPE_CHUNKS % 8 == 0 or 8 * p + lane + ROW_THREADS * k < ROPE_CHUNKS:
+                        cp_async_16_at(view, Q_ROWS + stage * TILE_ROWS + (R // 64 + p) * BLOCK_N + r, col,
+                                       rope_row + ELEM * (64 * p + 8 * ROW_THREADS * k), nbytes)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, inline="always")
@@ -233,7 +242,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
         group = warp // 4
-        heads, page_size, num_pages = q_nope.shape[1], ckv.shape[1], ckv.shape[0]
+        heads, page_size = q_nope.shape[1], ckv.shape[1]
         seqlen = min(max(seqlens[b], 0), page_table.shape[1] * page_size)
         per_split = -(-seqlen // splits)
         first, end = split * per_split, min(seqlen, (split + 1) * per_split)
@@ -253,7 +262,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 mbarrier_init(bars, P_READY, 128)
                 mbarrier_init(bars, P_FREE, 128)
         cuda.syncthreads()
-        page, position = 0, 0
+        page, position = int32(0), 0
         next_key = first + my_row  # this thread's row of the next tile to load
         # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
         # refills a stage after its P V; the others fill all but one, refilled before their P V
@@ -269,12 +278,12 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 else:
                     cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
             cp_async_mbarrier_arrive(bars, Q_FULL)
-            page, position = locate(page_table, b, next_key, end, page_size, num_pages)
+            page, position = locate(page_table, b, next_key, end, page_size)
             for j in range(prologue):  # each thread's next page is looked up a tile ahead
                 if j < n_tiles:
                     load_tile_async(view, bars, ckv, kpe, j, page, position, next_key < end, group, my_row, my_lane)
                     next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
+                    page, position = locate(page_table, b, next_key, end, page_size)
             if not SHARED and group == GROUPS - 1:
                 barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
@@ -317,7 +326,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                     load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
                                     my_lane)
                     next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
+                    page, position = locate(page_table, b, next_key, end, page_size)
                 wgmma_wait(0)
                 fence_registers(s, S_REGS)
                 if not SHARED:
@@ -353,7 +362,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                     load_tile_async(view, bars, ckv, kpe, stage, page, position, next_key < end, group, my_row,
                                     my_lane)
                     next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size, num_pages)
+                    page, position = locate(page_table, b, next_key, end, page_size)
             prev_stage, prev_parity = stage, parity
             stage += 1
             if stage == STAGES:

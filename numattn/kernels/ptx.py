@@ -129,12 +129,19 @@ def _bind_wait_group(twin, mnemonic):
         return impl
 
 
-def _global_address(context, builder, array_type, array, index_type, index):
-    """64-bit address of ``array[index]`` (``index`` a tuple with one integer per axis)."""
+def _global_address(context, builder, array_type, array, index_type, index, contiguous_last=False):
+    """64-bit address of ``array[index]`` (``index`` a tuple with one integer per axis).
+
+    ``contiguous_last``: the last axis is contiguous (the caller's contract), so the last index is
+    scaled by the constant item size; constant column offsets then fold into the address operand.
+    """
     values = cgutils.unpack_tuple(builder, index, len(index_type))
     indices = [context.cast(builder, v, t, types.intp) for v, t in zip(values, index_type)]
-    ptr = cgutils.get_item_pointer(context, builder, array_type, make_array(array_type)(context, builder, array), indices)
-    return builder.ptrtoint(ptr, _i64)
+    aryty = make_array(array_type)(context, builder, array)
+    if not contiguous_last:
+        return builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, aryty, indices), _i64)
+    row = cgutils.get_item_pointer(context, builder, array_type, aryty, indices[:-1] + [indices[-1].type(0)])
+    return builder.ptrtoint(builder.gep(row, [indices[-1]]), _i64)
 
 
 def _unpack_struct(context, builder, sig, value, count):
@@ -622,9 +629,12 @@ def cp_async_16(dst, row, col, src, index, nbytes):
     ``cp.async.cg.shared.global`` with ``nbytes`` as its source size; the copy
     completes at ``cp_async_wait_group``. The twin copies at once.
     """
-    count = 16 // dst.itemsize
-    for i in range(count):
-        dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if i * dst.itemsize < nbytes else 0
+    cp_async_16_at(dst, row, col, global_address(src, index), nbytes)
+
+
+def _cp_async_asm(builder, shared, ptr, size):
+    _asm(builder, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}", ir.VoidType(),
+         [shared, ptr, size], side_effect=True)
 
 
 @intrinsic
@@ -635,22 +645,84 @@ def _cp_async_16(typingctx, dst, row, col, src, index, nbytes):
     def codegen(context, builder, sig, args):
         dst_type, row_type, col_type, src_type, index_type, nbytes_type = sig.args
         shared = _shared_address(context, builder, dst_type, args[0], (args[1], row_type), (args[2], col_type))
-        ptr = _global_address(context, builder, src_type, args[3], index_type, args[4])
+        ptr = _global_address(context, builder, src_type, args[3], index_type, args[4], contiguous_last=True)
         size = context.cast(builder, args[5], nbytes_type, types.int32)
-        _asm(
-            builder,
-            "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-            "r,l,r,~{memory}",
-            ir.VoidType(),
-            [shared, ptr, size],
-            side_effect=True,
-        )
+        _cp_async_asm(builder, shared, ptr, size)
         return context.get_dummy_value()
 
     return types.none(dst, row, col, src, index, nbytes), codegen
 
 
 _bind(cp_async_16, _cp_async_16)
+
+
+class _Address:
+    """Twin of a global address: element ``index`` of ``array``; adding ``n`` moves it ``n`` bytes
+    along the (contiguous) last axis, as adding to the real address does."""
+
+    def __init__(self, array, index):
+        self.array, self.index = array, tuple(int(i) for i in index)
+
+    def __add__(self, nbytes):
+        step, rest = divmod(int(nbytes), self.array.itemsize)
+        assert rest == 0, "an address moves by whole elements"
+        return _Address(self.array, (*self.index[:-1], self.index[-1] + step))
+
+    __radd__ = __add__
+
+
+def global_address(src, index):
+    """``global_address(src, index) -> int64``: the address of ``src[index]`` in a global array whose last
+    axis is contiguous, for ``cp_async_16_at``.
+
+    The compiler cannot see through it (an inline-assembly move), so it keeps
+    the address in one register and folds the constants added to it into each
+    copy's address operand, rather than precomputing every copy's offset.
+    """
+    return _Address(src, index)
+
+
+@intrinsic
+def _global_address_ir(typingctx, src, index):
+    if not (isinstance(src, types.Array) and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = _global_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], contiguous_last=True)
+        return _asm(builder, "mov.b64 $0, $1;", "=l,l", _i64, [ptr])
+
+    return types.int64(src, index), codegen
+
+
+_bind(global_address, _global_address_ir)
+
+
+def cp_async_16_at(dst, row, col, address, nbytes):
+    """``cp_async_16_at(dst, row, col, address, nbytes)``: ``cp_async_16`` from the global ``address``
+    (``global_address`` plus a byte offset) to ``dst[row, col]``."""
+    count = 16 // dst.itemsize
+    src, index = address.array, address.index
+    for i in range(count):
+        dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if i * dst.itemsize < nbytes else 0
+
+
+@intrinsic
+def _cp_async_16_at(typingctx, dst, row, col, address, nbytes):
+    if not (isinstance(dst, types.Array) and isinstance(address, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst_type, row_type, col_type, address_type, nbytes_type = sig.args
+        shared = _shared_address(context, builder, dst_type, args[0], (args[1], row_type), (args[2], col_type))
+        ptr = context.cast(builder, args[3], address_type, types.int64)
+        size = context.cast(builder, args[4], nbytes_type, types.int32)
+        _cp_async_asm(builder, shared, ptr, size)
+        return context.get_dummy_value()
+
+    return types.none(dst, row, col, address, nbytes), codegen
+
+
+_bind(cp_async_16_at, _cp_async_16_at)
 
 
 def cp_async_commit():
@@ -698,7 +770,7 @@ def _load_16(typingctx, src, index):
 
     def codegen(context, builder, sig, args):
         src_type, index_type = sig.args
-        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1])
+        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1], contiguous_last=True)
         words = _asm(
             builder,
             "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
@@ -780,7 +852,7 @@ def _bulk_reduce_add_f32(typingctx, dst, index, src, offset, nbytes):
 
     def codegen(context, builder, sig, args):
         dst_type, index_type, src_type, offset_type, nbytes_type = sig.args
-        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1])
+        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1], contiguous_last=True)
         shared = _shared_address(context, builder, src_type, args[2], (args[3], offset_type))
         size = context.cast(builder, args[4], nbytes_type, types.int32)
         _asm(builder, "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
@@ -894,7 +966,7 @@ def _copy_16_to_global(typingctx, dst, index, src, row, col):
     def codegen(context, builder, sig, args):
         dst_type, index_type, src_type, row_type, col_type = sig.args
         shared = _shared_address(context, builder, src_type, args[2], (args[3], row_type), (args[4], col_type))
-        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1])
+        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1], contiguous_last=True)
         _asm(
             builder,
             "{ .reg .b32 w<4>; ld.shared.v4.b32 {w0, w1, w2, w3}, [$0]; st.global.v4.b32 [$1], {w0, w1, w2, w3}; }",
@@ -972,10 +1044,15 @@ def _store_d(acc, rows, tig, accumulate):
             flat[4 * j + e] = value + flat[4 * j + e] if accumulate else value
 
 
-def _wgmma_text(n, ptx_type, a_operand, count, tail):
+def _wgmma_text(n, ptx_type, a_operand, count, tail, descriptors):
+    """The product's PTX up to its B operand. ``descriptors`` name the operands that hold a descriptor's
+    low word; each is widened into the 64-bit register ``d<operand>`` with the constant upper word, so
+    that the compiler keeps descriptor arithmetic in 32 bits."""
     d = ",".join(f"${i}" for i in range(count))
+    widen = "".join(f".reg .b64 d{i}; cvt.u64.u32 d{i}, ${i}; or.b64 d{i}, d{i}, {_DESCRIPTOR_HIGH}; "
+                    for i in descriptors)
     return (
-        f"{{ .reg .pred p; setp.ne.b32 p, ${2 * count + tail}, 0; "
+        f"{{ .reg .pred p; {widen}setp.ne.b32 p, ${2 * count + tail}, 0; "
         f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} {{{d}}}, {a_operand}, "
     )
 
@@ -991,9 +1068,18 @@ def _descriptor(builder, address, lbo_bytes):
         return builder.shl(builder.lshr(builder.and_(value, ir.Constant(_i64, 0x3FFFF)), ir.Constant(_i64, 4)),
                            ir.Constant(_i64, shift))
 
-    fixed = ir.Constant(_i64, (1024 >> 4) << 32 | 1 << 62)
     start = field(builder.zext(address, _i64), 0)
-    return builder.or_(builder.or_(start, field(lbo_bytes, 16)), fixed)
+    return builder.or_(builder.or_(start, field(lbo_bytes, 16)), ir.Constant(_i64, _DESCRIPTOR_HIGH))
+
+
+# The upper word of every descriptor here: stride byte offset 1024, 128-byte swizzle.
+_DESCRIPTOR_HIGH = (1024 >> 4) << 32 | 1 << 62
+
+
+def _descriptor_low(context, builder, value, value_type):
+    """The low word of a descriptor (its start address and leading byte offset; the upper word is
+    ``_DESCRIPTOR_HIGH``): adding a k-step's constant then stays a 32-bit addition."""
+    return builder.trunc(context.cast(builder, value, value_type, types.int64), _i32)
 
 
 def _element_slots(context, builder, array_type, array, count):
@@ -1038,18 +1124,34 @@ def wgmma_descriptor(buf, offset, panel):
     return _Descriptor(buf, offset, panel)
 
 
-@intrinsic
-def _wgmma_descriptor(typingctx, buf, offset, panel):
-    if not (isinstance(buf, types.Array) and buf.ndim == 1):
-        return None
+def _descriptor_intrinsic(uniform):
+    """The lowering of ``wgmma_descriptor``; ``uniform``: broadcast lane 0's low word, which tells the
+    compiler that the value is warp-uniform (every lane of a warpgroup names the same operand), so
+    that it keeps the descriptor, and the k-steps' sums with it, in uniform registers. A shuffle per
+    descriptor pays where one descriptor serves many products, not where each product builds its own."""
 
-    def codegen(context, builder, sig, args):
-        address = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
-        panel_bytes = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(_i64, 2))
-        k_major = builder.icmp_signed("==", panel_bytes, ir.Constant(_i64, 0))
-        return _descriptor(builder, address, builder.select(k_major, ir.Constant(_i64, 16), panel_bytes))
+    @intrinsic
+    def lowering(typingctx, buf, offset, panel):
+        if not (isinstance(buf, types.Array) and buf.ndim == 1):
+            return None
 
-    return types.int64(buf, offset, panel), codegen
+        def codegen(context, builder, sig, args):
+            address = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]))
+            panel_bytes = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(_i64, 2))
+            k_major = builder.icmp_signed("==", panel_bytes, ir.Constant(_i64, 0))
+            descriptor = _descriptor(builder, address, builder.select(k_major, ir.Constant(_i64, 16), panel_bytes))
+            if not uniform:
+                return descriptor
+            low = _asm(builder, "shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", _i32, [builder.trunc(descriptor, _i32)])
+            return builder.or_(builder.zext(low, _i64), ir.Constant(_i64, _DESCRIPTOR_HIGH))
+
+        return types.int64(buf, offset, panel), codegen
+
+    return lowering
+
+
+_wgmma_descriptor = _descriptor_intrinsic(uniform=True)
+_operand_descriptor = _descriptor_intrinsic(uniform=False)  # wgmma_ss / wgmma_rs: one per product
 
 
 _bind(wgmma_descriptor, _wgmma_descriptor)
@@ -1098,12 +1200,13 @@ def _make_wgmma(ptx_type, widen_bits):
         if N is None or trans is None:
             return None
         count = N // 2
-        text = _wgmma_text(N, ptx_type, f"${2 * count}", count, 2) + f"${2 * count + 1}, p, 1, 1, 0, {trans}; }}"
+        a, b = 2 * count, 2 * count + 1
+        text = _wgmma_text(N, ptx_type, f"d{a}", count, 2, (a, b)) + f"d{b}, p, 1, 1, 0, {trans}; }}"
 
         def codegen(context, builder, sig, args):
-            descriptors = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3)]
+            descriptors = [_descriptor_low(context, builder, args[i], sig.args[i]) for i in (2, 3)]
             flag = builder.zext(context.cast(builder, args[5], sig.args[5], types.boolean), _i32)
-            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, descriptors + [flag], ["l", "l", "r"])
+            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, descriptors + [flag], ["r", "r", "r"])
             return context.get_dummy_value()
 
         return types.none(acc, n, a_desc, b_desc, b_mn_major, accumulate), codegen
@@ -1115,13 +1218,14 @@ def _make_wgmma(ptx_type, widen_bits):
             return None
         count = N // 2
         a_regs = "{" + ",".join(f"${2 * count + i}" for i in range(4)) + "}"
-        text = _wgmma_text(N, ptx_type, a_regs, count, 5) + f"${2 * count + 4}, p, 1, 1, {trans}; }}"
+        b = 2 * count + 4
+        text = _wgmma_text(N, ptx_type, a_regs, count, 5, (b,)) + f"d{b}, p, 1, 1, {trans}; }}"
 
         def codegen(context, builder, sig, args):
-            descriptor = context.cast(builder, args[6], sig.args[6], types.int64)
+            descriptor = _descriptor_low(context, builder, args[6], sig.args[6])
             flag = builder.zext(context.cast(builder, args[8], sig.args[8], types.boolean), _i32)
             operands = list(args[2:6]) + [descriptor, flag]
-            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, operands, ["r"] * 4 + ["l", "r"])
+            _wgmma_ir(builder, context, sig.args[0], args[0], text, count, operands, ["r"] * 6)
             return context.get_dummy_value()
 
         return types.none(acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate), codegen
@@ -1147,7 +1251,7 @@ def _make_wgmma(ptx_type, widen_bits):
             return None
 
         def impl(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
-            return ss_ir(acc, N, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), MN,
+            return ss_ir(acc, N, _operand_descriptor(buf, a_offset, 0), _operand_descriptor(buf, b_offset, b_panel), MN,
                          accumulate)
 
         return impl
@@ -1159,7 +1263,7 @@ def _make_wgmma(ptx_type, widen_bits):
             return None
 
         def impl(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
-            return rs_ir(acc, N, a0, a1, a2, a3, wgmma_descriptor(buf, b_offset, b_panel), MN, accumulate)
+            return rs_ir(acc, N, a0, a1, a2, a3, _operand_descriptor(buf, b_offset, b_panel), MN, accumulate)
 
         return impl
 
