@@ -44,7 +44,7 @@ from numattn.kernels.ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from numattn.kernels.decode import last_to_finish
+from numattn.kernels.decode import last_to_finish, release_counter
 from numattn.kernels.tiles import sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)
@@ -300,5 +300,5 @@ def last_block_sum_kernel(values, counters, totals, launch):
                 for t in range(cuda.blockDim.x):
                     total += load_l2_f32(values, (j, t))
             totals[launch] = total
-            counters[0, 0] = 0
+        release_counter(counters, 0, 0)
 

@@ -31,7 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .decode import MAX_SPLITS, last_to_finish, split_merger
+from .decode import MAX_SPLITS, last_to_finish, release_counter, split_merger
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -334,8 +334,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 # the stages are free (the loop ended with a barrier): the merge's weights take their place
                 weight_s = tile_view(cuda.shared.array(0, float32), 0, BLOCK_M, MAX_SPLITS)
                 merge_splits(o_part, lse_part, o, lse, weight_s, b, h, m0, min(BLOCK_M, seqlen_q - m0))
-                if cuda.threadIdx.x == 0:
-                    counters[0, cuda.blockIdx.x] = 0  # ready for the next launch
+                release_counter(counters, 0, cuda.blockIdx.x)
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
             store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)

@@ -107,6 +107,14 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
     return False
 
 
+@cuda.jit(device=True, inline="always")
+def release_counter(counters, counter_row, counter_col):
+    """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
+    for the next launch (one thread writes it)."""
+    if cuda.threadIdx.x == 0:
+        counters[counter_row, counter_col] = 0
+
+
 def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
     """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
@@ -251,8 +259,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
         if SPLIT:
             if last_to_finish(counters, b, cuda.blockIdx.y, cuda.gridDim.x):
                 merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv * G, row0, n_rows)
-                if tid == 0:
-                    counters[b, cuda.blockIdx.y] = 0  # ready for the next launch
+                release_counter(counters, b, cuda.blockIdx.y)
 
     return finish
 

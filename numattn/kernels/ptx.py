@@ -1057,6 +1057,10 @@ def _wgmma_text(n, ptx_type, a_operand, count, tail, descriptors):
     )
 
 
+# The upper word of every descriptor here: stride byte offset 1024, 128-byte swizzle.
+_DESCRIPTOR_HIGH = (1024 >> 4) << 32 | 1 << 62
+
+
 def _descriptor(builder, address, lbo_bytes):
     """64-bit wgmma matrix descriptor of a SW128 operand at shared ``address`` (i32).
 
@@ -1070,10 +1074,6 @@ def _descriptor(builder, address, lbo_bytes):
 
     start = field(builder.zext(address, _i64), 0)
     return builder.or_(builder.or_(start, field(lbo_bytes, 16)), ir.Constant(_i64, _DESCRIPTOR_HIGH))
-
-
-# The upper word of every descriptor here: stride byte offset 1024, 128-byte swizzle.
-_DESCRIPTOR_HIGH = (1024 >> 4) << 32 | 1 << 62
 
 
 def _descriptor_low(context, builder, value, value_type):
@@ -1119,7 +1119,9 @@ def wgmma_descriptor(buf, offset, panel):
 
     Adding ``k`` to a descriptor names the operand ``16 · k`` bytes (``8 · k``
     elements) further on, so the descriptors of a tile's k-steps are one
-    descriptor plus constants, not an address conversion each.
+    descriptor plus constants, not an address conversion each. The value is
+    lane 0's (a full-warp shuffle: every lane of the warp calls it), which
+    lets the compiler keep it, and those sums, in uniform registers.
     """
     return _Descriptor(buf, offset, panel)
 
