@@ -1299,7 +1299,14 @@ _bind(fence_proxy_async, _statement_intrinsic("fence.proxy.async.shared::cta;"))
 
 
 def wgmma_wait(pending):
-    """``wgmma_wait(N)``: wait until at most ``N`` (a constant) committed wgmma groups are in flight."""
+    """``wgmma_wait(N)``: wait until at most ``N`` (a constant) committed wgmma groups are in flight.
+
+    A product runs once every warp of the warpgroup has issued it, so after the wait the operands
+    have been read by all four warps and may be overwritten. The twins compute at issue; this twin
+    waits for the warpgroup's other warps to get here, which gives the same guarantee.
+    """
+    thread = threading.current_thread().thread_id
+    _named_barrier(("wgmma", thread // (4 * WARP_SIZE))).arrive(4 * WARP_SIZE, wait=True)
 
 
 _bind_wait_group(wgmma_wait, "wgmma.wait_group.sync.aligned")
@@ -1561,20 +1568,20 @@ class _NamedBarrier:
                 self.changed.wait_for(lambda: self.generation != generation)
 
 
-def _named_barrier(barrier_id):
+def _named_barrier(key):
     manager = threading.current_thread()._manager
     with _exchange_lock:
-        return manager.__dict__.setdefault("_numattn_named_barriers", {}).setdefault(int(barrier_id), _NamedBarrier())
+        return manager.__dict__.setdefault("_numattn_named_barriers", {}).setdefault(key, _NamedBarrier())
 
 
 def barrier_sync(barrier_id, count):
     """``barrier_sync(id, count)``: wait at named barrier ``id`` until ``count`` threads have reached it (``bar.sync``)."""
-    _named_barrier(barrier_id).arrive(int(count), wait=True)
+    _named_barrier(int(barrier_id)).arrive(int(count), wait=True)
 
 
 def barrier_arrive(barrier_id, count):
     """``barrier_arrive(id, count)``: reach named barrier ``id`` without waiting (``bar.arrive``)."""
-    _named_barrier(barrier_id).arrive(int(count), wait=False)
+    _named_barrier(int(barrier_id)).arrive(int(count), wait=False)
 
 
 def _named_barrier_lowering(instruction):
