@@ -1007,7 +1007,7 @@ _bind(copy_16_to_global, _copy_16_to_global)
 # Order of use: fence_registers(D); wgmma_fence(); wgmma_* ...; wgmma_commit();
 # wgmma_wait(0); fence_registers(D). Shared memory written by ordinary stores
 # or cp.async must be published with fence_proxy_async() and a barrier first.
-# The twins compute at once, so the fences and waits are no-ops there.
+# The twins compute at once, so the fences are no-ops there; the wait meets the warpgroup's other warps.
 
 SW128_ALIGN = 1024  # bytes: alignment of a swizzled tile
 
