@@ -158,7 +158,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
         nbytes = 16 if valid else 0
         page = min(max(page, 0), ckv.shape[0] - 1)
         first_panel = group * OWN_PANELS
-        row0 = Q_ROWS + stage * TILE_ROWS + first_panel * BLOCK_N + r
+        tile_row = Q_ROWS + stage * TILE_ROWS + r  # the row in the tile's first panel
+        row0 = tile_row + first_panel * BLOCK_N
         ckv_row = global_address(ckv, (page, position, 64 * first_panel + 8 * lane))
         rope_row = global_address(kpe, (page, position, 8 * lane))
         for k in range(PANEL_COPIES):
@@ -168,7 +169,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
             if group == 0:
                 for p in range(ROPE_PANELS):
                     if ROPE_CHUNKS % 8 == 0 or 8 * p + lane + ROW_THREADS * k < ROPE_CHUNKS:
-                        cp_async_16_at(view, Q_ROWS + stage * TILE_ROWS + (R // 64 + p) * BLOCK_N + r, col,
+                        cp_async_16_at(view, tile_row + (R // 64 + p) * BLOCK_N, col,
                                        rope_row + ELEM * (64 * p + 8 * ROW_THREADS * k), nbytes)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
