@@ -110,9 +110,10 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
 @cuda.jit(device=True, inline="always")
 def release_counter(counters, counter_row, counter_col):
     """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
-    for the next launch (one thread writes it)."""
+    for the next launch (one thread, with an atomic exchange: inlined into the decode kernels, a plain
+    store of 0 was dropped from the compiled code and every later launch skipped its merge)."""
     if cuda.threadIdx.x == 0:
-        counters[counter_row, counter_col] = 0
+        cuda.atomic.exch(counters, (counter_row, counter_col), 0)
 
 
 def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
