@@ -20,17 +20,24 @@ from numba import cuda, types  # noqa: E402
 from numattn.kernels.attention_mma import choose_mma_config, mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
 from numattn.kernels.attention_wgmma import choose_wgmma_config, wgmma_attention_kernel  # noqa: E402
+from numattn.kernels.decode import decode_kernel, decode_mma_kernel  # noqa: E402
 
 SIGNATURE = {
     storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
     for storage in (types.uint16, types.float32)
 }
+_U16, _F32, _I32 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4), (types.float32, 3), (types.int32, 2)))
+# split launches: partial outputs [.., S, Dv] and log2-sum-exps, the last-block tickets, the scale
+SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), _I32,
+                   types.float32)
+DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:])
 
 
 def report(ptx):
     return {
         "local_bytes": sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
         "local_ops": len(re.findall(r"\b(?:ld|st)\.local", ptx)),
+        "atomics": sorted(set(re.findall(r"\batom\.[\w.]+", ptx))),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
         "mnemonics": sorted(
             set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence)\.[\w.:]+)", ptx, re.M))
@@ -57,6 +64,17 @@ def main():
             kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True, True)
             ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
             results[f"wgmma-{dtype}-causal1-d{head_dim}"] = report(ptx)
+    # split launches whose last block merges and resets its ticket counter for the next launch
+    split_kernels = {
+        "split-decode-mma": (decode_mma_kernel("float16", 128, 128, 4, 1, False, False, True, False, 3), DECODE_SIGNATURE),
+        "split-decode-simt": (decode_kernel("float16", 128, 128, 4, 1, 16, False, True, True, False, True),
+                              DECODE_SIGNATURE),
+        "split-mma-attention": (mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False,
+                                                     False, True), SPLIT_SIGNATURE),
+    }
+    for name, (kernel, signature) in split_kernels.items():
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
+        results[name] = report(ptx)
     json.dump(results, sys.stdout)
 
 

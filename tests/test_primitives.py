@@ -80,11 +80,17 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 24
+    assert len(results) == 27
     for variant, facts in results.items():
         mnemonics = set(facts["mnemonics"])
-        assert facts["local_bytes"] == 0 and facts["local_ops"] == 0, (variant, facts)
         assert facts["f64_ops"] == 0, (variant, facts)
+        if variant.startswith("split"):
+            # the last block takes a ticket and sets the counter back to 0 for the next launch (a plain
+            # store there was once dropped by numba's dead-code elimination: every later launch skipped
+            # its merge)
+            assert {"atom.add.u32", "atom.exch.b32"} <= set(facts["atomics"]), (variant, facts)
+            continue
+        assert facts["local_bytes"] == 0 and facts["local_ops"] == 0, (variant, facts)
         if variant.startswith("simt"):
             assert "ex2.approx.f32" in mnemonics, (variant, facts)
         if variant.startswith("simt-bfloat16"):
@@ -227,7 +233,7 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_shared_word_stores_and_chunk_copies(rng, where):
+def test_word_stores_and_chunk_copies(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
@@ -243,6 +249,9 @@ def test_shared_word_stores_and_chunk_copies(rng, where):
             expected[lane // 4, 16 + col] = words[lane, i] & 0xFFFF
             expected[lane // 4, 17 + col] = words[lane, i] >> 16
     expected[0, 16:] = 0xABCD  # row 0 is not copied
+    for lane in range(32):
+        expected[lane // 4, 2 * (lane % 4)] = words[lane, 1] & 0xFFFF
+        expected[lane // 4, 2 * (lane % 4) + 1] = words[lane, 1] >> 16
     assert np.array_equal(out.copy_to_host(), expected)
 
 

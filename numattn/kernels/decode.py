@@ -110,8 +110,10 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
 @cuda.jit(device=True, inline="always")
 def release_counter(counters, counter_row, counter_col):
     """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
-    for the next launch (one thread, with an atomic exchange: inlined into the decode kernels, a plain
-    store of 0 was dropped from the compiled code and every later launch skipped its merge)."""
+    for the next launch (one thread). An atomic exchange, not a store: numba's dead-code elimination
+    may drop a store that is the last use of an array passed down through two inlined device
+    functions (its alias analysis can lose track of the kernel argument), and then every later
+    launch skipped its merge; it never drops a call."""
     if cuda.threadIdx.x == 0:
         cuda.atomic.exch(counters, (counter_row, counter_col), 0)
 
