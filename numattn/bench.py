@@ -248,6 +248,7 @@ def bench_decode_host_overhead():
     k_pages, v_pages, table = paged_copy(torch, k, v, 16)
     a = torch.randn(16, device="cuda")
     q4 = q.unsqueeze(2)
+    out = torch.empty_like(q)
     batch, heads_q, heads_kv, length, dim, _ = DECODE_SHAPES[2]
     q_w3 = torch.randn(batch, heads_q, dim, device="cuda", dtype=torch.float16)
     k_w3, v_w3 = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -255,6 +256,7 @@ def bench_decode_host_overhead():
         "numattn.decode": host_overhead_us(lambda: numattn.decode(q, k, v, check=False)),
         "numattn.decode, W3 (split)": host_overhead_us(lambda: numattn.decode(q_w3, k_w3, v_w3, check=False)),
         "numattn.decode, seqlens": host_overhead_us(lambda: numattn.decode(q, k, v, seqlens=lengths, check=False)),
+        "numattn.decode, out=": host_overhead_us(lambda: numattn.decode(q, k, v, check=False, out=out)),
         "numattn.paged_decode": host_overhead_us(
             lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False)
         ),

@@ -160,6 +160,40 @@ def test_bad_input_errors(rng):
     assert np.isfinite(o).all()
 
 
+def test_decode_writes_into_out(rng):
+    """``out=``: a strided view (its neighbours untouched), torch CPU with LSE, the paged form with
+    a 4-D query, and clear errors for an output that does not fit."""
+    q = _random(rng, (3, 8, 64), "float16")
+    k, v = _random(rng, (3, 2, 90, 64), "float16"), _random(rng, (3, 2, 90, 32), "float16")
+    lengths = _lengths(rng, 3, 90)
+    ref = reference.decode(q, k, v, seqlens=lengths)
+    wide = np.full((3, 8, 48), np.nan, np.float16)
+    out = wide[:, :, 8:40]
+    assert numattn.decode(q, k, v, seqlens=lengths, out=out) is out
+    assert max_error(out, ref) <= ATOL["float16"]
+    assert np.isnan(wide[:, :, :8]).all() and np.isnan(wide[:, :, 40:]).all()
+
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    t_out = torch.full((3, 8, 32), float("nan"), dtype=torch.float16)
+    o, lse = numattn.decode(tq, tk, tv, seqlens=torch.from_numpy(lengths), return_lse=True, out=t_out)
+    assert o is t_out and max_error(o, ref) <= ATOL["float16"] and lse.shape == (3, 8, 1)
+
+    from numattn.bench import paged_copy
+
+    k_pages, v_pages, table = paged_copy(torch, tk, tv, 16)
+    q4 = tq.unsqueeze(2)
+    p_out = torch.full((3, 8, 1, 32), float("nan"), dtype=torch.float16)
+    assert numattn.paged_decode(q4, k_pages, v_pages, table, torch.from_numpy(lengths), out=p_out) is p_out
+    assert max_error(p_out[:, :, 0], ref) <= ATOL["float16"]
+
+    with pytest.raises(ValueError, match=r"out must have shape \(3, 8, 32\)"):
+        numattn.decode(q, k, v, out=np.empty((3, 8, 64), np.float16))
+    with pytest.raises(TypeError, match="out must have dtype float16"):
+        numattn.decode(q, k, v, out=np.empty((3, 8, 32), np.float32))
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        numattn.decode(tq, tk, tv, out=torch.empty(3, 8, 1, dtype=torch.float16).expand(3, 8, 32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_on_gpu_realistic(rng, dtype):
@@ -215,6 +249,32 @@ def test_decode_cuda_graph_capture(rng):
 
 
 @pytest.mark.gpu
+def test_decode_into_out_on_gpu(rng):
+    """``out=`` on the GPU: a strided slice of a poisoned buffer, the tensor-core kernel with key splits
+    merged by the last block, repeated calls, and a CUDA graph that writes into the same ``out``."""
+    q = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(1, 8, 8192, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    ref = reference.decode(q, k, v)
+    wide = torch.full((1, 32, 192), float("nan"), device="cuda", dtype=torch.float16)
+    out = wide[:, :, 32:160]
+    for _ in range(3):
+        out.fill_(float("nan"))
+        assert numattn.decode(q, k, v, check=False, out=out) is out
+        assert max_error(out, ref) <= ATOL["float16"]
+    assert torch.isnan(wide[:, :, :32]).all() and torch.isnan(wide[:, :, 160:]).all()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        numattn.decode(q, k, v, check=False, out=out)
+    for _ in range(2):
+        q.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_error(out, reference.decode(q, k, v)) <= ATOL["float16"]
+
+
+@pytest.mark.gpu
 def test_decode_split_workspace_shared_across_plans_and_streams(rng):
     """Split plans of different sizes take turns on one stream's workspace (which grows) and on a second
     stream's; each launch's last blocks must find the counters at zero and leave them so."""
@@ -245,3 +305,6 @@ def test_decode_from_numpy_and_numba(rng):
     on_device = [cuda.to_device(x) for x in (q, k, v, lengths)]
     o = numattn.decode(*on_device[:3], seqlens=on_device[3])
     assert max_error(o.copy_to_host(), ref) <= ATOL["float16"]
+    out = cuda.to_device(np.full((2, 8, 64), np.nan, np.float16))
+    assert numattn.decode(*on_device[:3], seqlens=on_device[3], out=out) is out
+    assert max_error(out.copy_to_host(), ref) <= ATOL["float16"]

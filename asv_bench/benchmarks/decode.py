@@ -58,7 +58,12 @@ class DecodeLaunchOverhead:
         torch = _cuda_torch()
         self.q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
         self.k, self.v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+        self.out = torch.empty_like(self.q)
         numattn.decode(self.q, self.k, self.v, check=False)
+        numattn.decode(self.q, self.k, self.v, check=False, out=self.out)
 
     def time_decode_tiny(self):
         numattn.decode(self.q, self.k, self.v, check=False)
+
+    def time_decode_tiny_into_out(self):
+        numattn.decode(self.q, self.k, self.v, check=False, out=self.out)

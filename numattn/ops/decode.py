@@ -83,8 +83,14 @@ class DecodeProblem:
     page_table: _Array  # [B, max_pages] int32, or None
     seqlens: _Array  # [B] int32, or None
     out_shape: tuple  # the user's layout
-    out_view: tuple  # (shape, strides) of the output as [B, Hq, Sq, Dv] over a contiguous out_shape array
+    out_view: tuple  # (shape, strides) of the output as [B, Hq, Sq, Dv]: over a contiguous out_shape array, or out
     capacity: int  # keys a sequence can hold
+    layout: str  # of q and the output
+    squeezed: bool  # q and the output without their seqlen_q axis
+
+    def with_contiguous_out(self):
+        """This problem with the output written to a contiguous array of ``out_shape``."""
+        return replace(self, out_view=_output_view(self.out_shape, self.layout, self.squeezed))
 
     @property
     def vector_loads(self):
@@ -134,9 +140,9 @@ def _query(q, layout):
     return op, _Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)), False
 
 
-def _output_view(shape, layout, squeezed):
-    """The contiguous output of ``shape`` seen as ``[B, Hq, Sq, Dv]``."""
-    strides = contiguous_strides(shape)
+def _output_view(shape, layout, squeezed, strides=None):
+    """The output of ``shape`` (contiguous, or with ``strides`` in elements) seen as ``[B, Hq, Sq, Dv]``."""
+    strides = contiguous_strides(shape) if strides is None else strides
     if squeezed:
         b, h, dv = shape
         return (b, h, 1, dv), (strides[0], strides[1], 0, strides[2])
@@ -175,7 +181,7 @@ def _caches(q_op, q4, k, v, names, text, axes):
     return k4, v4
 
 
-def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse):
+def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out=None):
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -193,10 +199,10 @@ def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse):
         if s_op.shape[0] != q4.shape[0]:
             raise ValueError(f"seqlens must have one entry per sequence ({q4.shape[0]}), got shape {s_op.shape}")
         seq = _Array(s_op, s_op.shape, s_op.strides)
-    return _problem(q_op, q4, k4, v4, None, seq, k4.shape[2], scale, layout, return_lse, squeezed)
+    return _problem(q_op, q4, k4, v4, None, seq, k4.shape[2], scale, layout, return_lse, squeezed, out)
 
 
-def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse):
+def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
     if kv_layout not in _KV_LAYOUTS:
         raise ValueError(f"kv_layout must be 'nhd' or 'hnd', got {kv_layout!r}")
     if not isinstance(return_lse, (bool, np.bool_)):
@@ -208,7 +214,8 @@ def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, 
     batch = q4.shape[0]
     t_op, s_op = page_indices(page_table, seqlens, batch, q_op.device)
     table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
-    return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed)
+    return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed,
+                    out)
 
 
 def page_indices(page_table, seqlens, batch, device):
@@ -223,7 +230,7 @@ def page_indices(page_table, seqlens, batch, device):
     return t_op, s_op
 
 
-def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed):
+def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed, out):
     batch, heads_q, seqlen_q, head_dim = q4.shape
     head_dim_v = v4.shape[3]
     if squeezed:
@@ -232,10 +239,22 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
         out_shape = (batch, heads_q, seqlen_q, head_dim_v)
     else:
         out_shape = (batch, seqlen_q, heads_q, head_dim_v)
+    out_strides = None
+    if out is not None:
+        out_op = describe(out, "out")
+        if out_op.dtype != q_op.dtype:
+            raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
+        if tuple(out_op.shape) != out_shape:
+            raise ValueError(f"out must have shape {out_shape}, got {out_op.shape}")
+        if out_op.device != q_op.device:
+            raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
+        if any(stride == 0 and extent > 1 for stride, extent in zip(out_op.strides, out_op.shape)):
+            raise ValueError(f"out must not overlap itself, got strides {out_op.strides} for shape {out_op.shape}")
+        out_strides = out_op.strides
     return DecodeProblem(
         batch, heads_q, k4.shape[1], seqlen_q, head_dim, head_dim_v, q_op.dtype, q_op.device,
         softmax_scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
-        _output_view(out_shape, layout, squeezed), capacity,
+        _output_view(out_shape, layout, squeezed, out_strides), capacity, layout, squeezed,
     )
 
 
@@ -396,12 +415,12 @@ class _TorchPlan(_DevicePlan):
         self._single_device = torch.cuda.device_count() == 1
         self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
 
-    def __call__(self, q, k, v, page_table, seqlens):
+    def __call__(self, q, k, v, page_table, seqlens, out=None):
         p = self.problem
         if not self._single_device and self._get_device() != p.device:
             with self._torch.cuda.device(p.device):
-                return self(q, k, v, page_table, seqlens)
-        out, lse, _, _, _ = self.outputs.allocate()
+                return self(q, k, v, page_table, seqlens, out)
+        out, lse, _, _, _ = self.outputs.allocate(out)
         stream = self._stream(p.device)
         part = part_lse = counters = 0
         if self.split:
@@ -432,10 +451,12 @@ class TorchOutputs:
         self._workspace = (one.float().expand(self._part_size + self._part_size // part_shape[-1])
                            if part_shape is not None else None)
 
-    def allocate(self):
-        """``(out, lse or None, workspace or None, partials pointer, their LSEs pointer)`` (0s without a workspace)."""
+    def allocate(self, out=None):
+        """``(out, lse or None, workspace or None, partials pointer, their LSEs pointer)`` (0s without a
+        workspace); a given ``out`` is used as it is."""
         empty_like = self._empty_like
-        out = empty_like(self._out)
+        if out is None:
+            out = empty_like(self._out)
         lse = empty_like(self._lse) if self._lse is not None else None
         if self._workspace is None:
             return out, lse, None, 0, 0
@@ -448,9 +469,10 @@ class _CaiPlan(_DevicePlan):
     """Other device arrays (numba, CuPy, ``__cuda_array_interface__``): outputs and split workspace allocated
     like q, the workspace's counters zeroed on the launch's stream."""
 
-    def __call__(self, q, k, v, page_table, seqlens):
+    def __call__(self, q, k, v, page_table, seqlens, out=None):
         p = self.problem
-        out = empty_device_like(q, p.out_shape, p.dtype, p.device)
+        if out is None:
+            out = empty_device_like(q, p.out_shape, p.dtype, p.device)
         lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
         stream = cai_stream(q)
         part = part_lse = counters = 0
@@ -468,7 +490,20 @@ class _HostPlan(_Plan):
     """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine contiguous
     copies go to the device and the result comes back."""
 
-    def __call__(self, q, k, v, page_table, seqlens):
+    def __call__(self, q, k, v, page_table, seqlens, out=None):
+        if out is None:
+            return self._compute(q, k, v, page_table, seqlens)
+        result = self._compute(q, k, v, page_table, seqlens)
+        o = result[0] if self.problem.return_lse else result
+        if is_torch(out):
+            out.copy_(o)
+        elif isinstance(out, np.ndarray):
+            np.copyto(out, o)
+        else:  # numba device arrays (the simulator's)
+            out.copy_to_device(o)
+        return (out, result[1]) if self.problem.return_lse else out
+
+    def _compute(self, q, k, v, page_table, seqlens):
         p = self.problem
         views = []
         for x, a in ((q, p.q), (k, p.k), (v, p.v), (page_table, p.page_table), (seqlens, p.seqlens)):
@@ -525,7 +560,7 @@ def _tuned_splits(problem):
 def _make_plan(p, splits=None):
     ops = [a.op for a in (p.q, p.k, p.v, p.page_table, p.seqlens) if a is not None]
     if p.device is None or SIMULATOR:  # the simulator's device arrays are numpy arrays underneath
-        return _HostPlan(p, splits)
+        return _HostPlan(p.with_contiguous_out(), splits)  # computes into its own array, copied into an ``out``
     if all(op.kind == "torch" for op in ops):
         return _TorchPlan(p, splits)
     return _CaiPlan(p, splits)
@@ -546,19 +581,20 @@ def _signature(x):
     raise TypeError  # other libraries: validated and planned on every call
 
 
-def _run(kind, validate, arrays, options, check):
+def _run(kind, validate, arrays, options, check, out):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     try:
         q, k, v, table, lengths = arrays
-        key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths), *options,
-               *map(type, options))
+        key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths),
+               _signature(out), *options, *map(type, options))
         plan = _PLANS.get(key)  # hashes the key once
     except TypeError:  # an argument without a signature: validated and planned on every call
         key = plan = None
     if plan is None:
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
-        problem = validate(*arrays, *options)
+        out = from_dlpack(out) if out is not None else None
+        problem = validate(*arrays, *options, out)
         plan = _make_plan(problem, _tuned_splits(problem))
         if key is not None:
             if len(_PLANS) >= _MAX_PLANS:
@@ -566,7 +602,7 @@ def _run(kind, validate, arrays, options, check):
             _PLANS[key] = plan
     if check and not _capturing(plan.problem):
         _check_values(plan.problem, arrays[3], arrays[4])
-    return plan(*arrays)
+    return plan(*arrays, out)
 
 
 def _capturing(p):
@@ -578,7 +614,7 @@ def _capturing(p):
     return capturing_now(torch)
 
 
-def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True):
+def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True, out=None):
     """Attention of a few new query tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -601,10 +637,14 @@ def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", retu
         Check ``seqlens`` values (non-negative, at most ``max_seqlen``). For device arrays this
         copies them to the host, a synchronisation; pass ``False`` on hot paths. Skipped while
         torch captures a CUDA graph. Unchecked lengths are clamped into ``[0, max_seqlen]``.
+    out : array, optional
+        Where to write ``o`` (any strides, no self-overlap): the shape and dtype ``o`` would have,
+        on q's device; it is returned. Saves the allocation on hot paths.
 
     Returns
     -------
-    ``o`` shaped like ``q`` with ``head_dim_v`` last, same dtype and library, or ``(o, lse)``.
+    ``o`` shaped like ``q`` with ``head_dim_v`` last, same dtype and library (``out`` when given),
+    or ``(o, lse)``.
 
     Examples
     --------
@@ -617,15 +657,15 @@ def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", retu
     (2, 8, 64)
     """
     return _run("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens],
-                (scale, layout, return_lse), check)
+                (scale, layout, return_lse), check, out)
 
 
-def _validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse):
-    return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse)
+def _validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse, out=None):
+    return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False,
-                 check=True):
+                 check=True, out=None):
     """Decode attention over a paged KV cache.
 
     Parameters
@@ -637,17 +677,17 @@ def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_lay
         ``page_table[b, t // page_size]`` at position ``t % page_size``. Entries past a
         sequence's last page are ignored.
     seqlens : int32 ``[batch]``: keys per sequence, at most ``max_pages * page_size``.
-    scale, return_lse, check : as in ``decode``; ``check`` also checks that every page index
+    scale, return_lse, check, out : as in ``decode``; ``check`` also checks that every page index
         a sequence uses lies in ``[0, num_pages)`` (unchecked indices are clamped into it).
 
     See ``csr_page_table`` for FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
     """
     return _run("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
-                (scale, kv_layout, return_lse), check)
+                (scale, kv_layout, return_lse), check, out)
 
 
-def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse):
-    return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse)
+def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
+    return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out)
 
 
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
