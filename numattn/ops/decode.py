@@ -491,9 +491,9 @@ class _HostPlan(_Plan):
     copies go to the device and the result comes back."""
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
-        if out is None:
-            return self._compute(q, k, v, page_table, seqlens)
         result = self._compute(q, k, v, page_table, seqlens)
+        if out is None:
+            return result
         o = result[0] if self.problem.return_lse else result
         if is_torch(out):
             out.copy_(o)
