@@ -32,7 +32,6 @@ from numattn.kernels.ptx import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
-    st_global_b32,
     st_shared_b32,
     stmatrix_x4_trans,
     unpack_bf16x2,
@@ -146,14 +145,12 @@ SHARED_BYTES = 48 * ROW * 2
 def staging_kernel(words, out):
     """Lane l stores ``words[l, i]`` over columns ``8i + 2(l % 4)`` and the next of row ``l // 4`` of
     an 8×16 shared tile (``st_shared_b32``); then rows 1 .. 7 go to ``out[1:, 16:]`` in 16-byte
-    chunks (``copy_16_to_global``). ``words[l, 1]`` also goes straight to columns ``2(l % 4)`` and
-    the next of ``out``'s row ``l // 4`` (``st_global_b32``)."""
+    chunks (``copy_16_to_global``)."""
     smem = cuda.shared.array(0, uint16)
     tile = tile_view(smem, 0, 8, 16)
     lane = cuda.threadIdx.x
     for i in range(2):
         st_shared_b32(tile, lane // 4, 8 * i + 2 * (lane % 4), words[lane, i])
-    st_global_b32(out, (lane // 4, 2 * (lane % 4)), words[lane, 1])
     cuda.syncthreads()
     if 2 <= lane < 16:
         copy_16_to_global(out, (lane // 2, 16 + 8 * (lane % 2)), tile, lane // 2, 8 * (lane % 2))

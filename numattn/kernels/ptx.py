@@ -889,7 +889,7 @@ _bind_wait_group(bulk_wait, "cp.async.bulk.wait_group")
 
 
 # --------------------------------------------------------------------------
-# Shared- and global-memory stores, 16-byte shared-to-global copies (output epilogues)
+# Shared-memory stores and 16-byte shared-to-global copies (output epilogues)
 # --------------------------------------------------------------------------
 
 
@@ -945,31 +945,6 @@ def _st_shared_v2_f32(typingctx, dst, row, col, a, b):
 
 
 _bind(st_shared_v2_f32, _st_shared_v2_f32)
-
-
-def st_global_b32(dst, index, value):
-    """``st_global_b32(dst, index, value)``: store the 32-bit ``value`` over two 16-bit elements of
-    global ``dst`` from ``dst[index]`` on along its last axis (contiguous, 4-byte aligned there);
-    ``value`` holds element ``index`` in its low half (as ``pack_*x2`` makes it)."""
-    dst[index] = value & 0xFFFF
-    dst[(*index[:-1], index[-1] + 1)] = value >> 16
-
-
-@intrinsic
-def _st_global_b32(typingctx, dst, index, value):
-    if not (isinstance(dst, types.Array) and isinstance(index, types.BaseTuple)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptr = _global_address(context, builder, sig.args[0], args[0], sig.args[1], args[1], contiguous_last=True)
-        word = context.cast(builder, args[2], sig.args[2], types.uint32)
-        _asm(builder, "st.global.b32 [$0], $1;", "l,r,~{memory}", ir.VoidType(), [ptr, word], side_effect=True)
-        return context.get_dummy_value()
-
-    return types.none(dst, index, value), codegen
-
-
-_bind(st_global_b32, _st_global_b32)
 
 
 def copy_16_to_global(dst, index, src, row, col):
