@@ -168,15 +168,20 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
         bool(return_lse), q_op, ops["k"], ops["v"], None,
     )
     if out is not None:
-        out_op = describe(out, "out")
-        if out_op.dtype != q_op.dtype:
-            raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
-        if out_op.shape != problem.out_shape:
-            raise ValueError(f"out must have shape {problem.out_shape}, got {out_op.shape}")
-        if out_op.device != q_op.device:
-            raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
-        problem = replace(problem, out=out_op)
+        problem = replace(problem, out=out_operand(out, q_op, problem.out_shape))
     return problem
+
+
+def out_operand(out, q_op, shape):
+    """The operand of a caller's ``out`` array, checked: q's dtype and device, ``shape``."""
+    out_op = describe(out, "out")
+    if out_op.dtype != q_op.dtype:
+        raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
+    if tuple(out_op.shape) != tuple(shape):
+        raise ValueError(f"out must have shape {tuple(shape)}, got {out_op.shape}")
+    if out_op.device != q_op.device:
+        raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
+    return out_op
 
 
 def softmax_scale(scale, head_dim):

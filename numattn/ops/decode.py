@@ -44,7 +44,7 @@ from ..kernels.decode import (
     merge_kernel,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
-from .attention import LOG2E, softmax_scale
+from .attention import LOG2E, out_operand, softmax_scale
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -241,13 +241,7 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
         out_shape = (batch, seqlen_q, heads_q, head_dim_v)
     out_strides = None
     if out is not None:
-        out_op = describe(out, "out")
-        if out_op.dtype != q_op.dtype:
-            raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
-        if tuple(out_op.shape) != out_shape:
-            raise ValueError(f"out must have shape {out_shape}, got {out_op.shape}")
-        if out_op.device != q_op.device:
-            raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
+        out_op = out_operand(out, q_op, out_shape)
         if any(stride == 0 and extent > 1 for stride, extent in zip(out_op.strides, out_op.shape)):
             raise ValueError(f"out must not overlap itself, got strides {out_op.strides} for shape {out_op.shape}")
         out_strides = out_op.strides
