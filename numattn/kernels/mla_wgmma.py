@@ -27,7 +27,8 @@ of the buffer's tile is complete and the tile's scores are (an mbarrier per
 buffer and warpgroup when duplicated), without waiting for the other
 warpgroup's ``P V``: the next ``stages - 1`` tiles then load during the
 scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
-share a latent row, so a thread looks up one page per tile, a tile ahead,
+share a latent row, so a thread looks up one page per tile, a tile ahead
+(stepping through its page-table entries without dividing: ``next_row``),
 and copies from its row's address plus constants.
 """
 
@@ -138,13 +139,28 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     pack_p = p_fragments(PSTEPS, dtype)
 
     @cuda.jit(device=True, inline="always")
-    def locate(page_table, b, key, end, page_size):
-        """(page index as stored, position) of latent row ``key`` of sequence ``b``; (0, 0) from ``end``
-        on. The index stays int32 and is clamped where it is used, a tile later, so that nothing waits
-        for its read here (not even a sign extension)."""
+    def locate(page_table, b, key, end, slot, offset):
+        """(page index as stored, position) of latent row ``key`` of sequence ``b``, entry ``slot`` of
+        its page table at ``offset``; (0, 0) from ``end`` on. The index stays int32 and is clamped where
+        it is used, a tile later, so that nothing waits for its read here (not even a sign extension)."""
         if key >= end:
             return int32(0), 0
-        return page_table[b, key // page_size], key % page_size
+        return page_table[b, slot], offset
+
+    @cuda.jit(device=True, inline="always")
+    def next_row(page_table, b, key, slot, offset, end, page_size, slot_step, offset_step):
+        """``(key, slot, offset, page, position)`` of this thread's row of the next tile, ``BLOCK_N`` rows
+        on: the page-table entry and the offset in its page advance by ``BLOCK_N``'s quotient and
+        remainder by the page size with one wrap test, no division per tile; the page and position to
+        copy from as ``locate`` gives them."""
+        key += BLOCK_N
+        slot += slot_step
+        offset += offset_step
+        if offset >= page_size:
+            offset -= page_size
+            slot += 1
+        page, position = locate(page_table, b, key, end, slot, offset)
+        return key, slot, offset, page, position
 
     @cuda.jit(device=True, inline="always")
     def load_tile_async(view, bars, ckv, kpe, stage, page, position, valid, group, r, lane):
@@ -264,7 +280,9 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 mbarrier_init(bars, P_FREE, 128)
         cuda.syncthreads()
         page, position = int32(0), 0
-        next_key = first + my_row  # this thread's row of the next tile to load
+        next_key = first + my_row  # this thread's row of the next tile to load, in its page-table entry
+        slot, offset = next_key // page_size, next_key % page_size
+        slot_step, offset_step = BLOCK_N // page_size, BLOCK_N % page_size
         # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
         # refills a stage after its P V; the others fill all but one, refilled before their P V
         prologue = STAGES if SHARED and group == 1 else STAGES - 1
@@ -279,12 +297,12 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 else:
                     cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
             cp_async_mbarrier_arrive(bars, Q_FULL)
-            page, position = locate(page_table, b, next_key, end, page_size)
+            page, position = locate(page_table, b, next_key, end, slot, offset)
             for j in range(prologue):  # each thread's next page is looked up a tile ahead
                 if j < n_tiles:
                     load_tile_async(view, bars, ckv, kpe, j, page, position, next_key < end, group, my_row, my_lane)
-                    next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size)
+                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
+                                                                      page_size, slot_step, offset_step)
             if not SHARED and group == GROUPS - 1:
                 barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
@@ -326,8 +344,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 if ahead:
                     load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
                                     my_lane)
-                    next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size)
+                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
+                                                                      page_size, slot_step, offset_step)
                 wgmma_wait(0)
                 fence_registers(s, S_REGS)
                 if not SHARED:
@@ -362,8 +380,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 if j + STAGES < n_tiles:  # this warpgroup's panels of the stage are free
                     load_tile_async(view, bars, ckv, kpe, stage, page, position, next_key < end, group, my_row,
                                     my_lane)
-                    next_key += BLOCK_N
-                    page, position = locate(page_table, b, next_key, end, page_size)
+                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
+                                                                      page_size, slot_step, offset_step)
             prev_stage, prev_parity = stage, parity
             stage += 1
             if stage == STAGES:

@@ -575,15 +575,35 @@ def _signature(x):
     raise TypeError  # other libraries: validated and planned on every call
 
 
+def _torch_key(kind, q, k, v, table, lengths, out, options):
+    """Plan-cache key of a call on torch tensors, ``_signature``'s fields in one flat tuple (the hot path);
+    AttributeError for other arrays. Options enter with their types, so that a cached plan never accepts
+    what validation would reject."""
+    return (
+        kind,
+        q.__class__, q.dtype, q.shape, q.stride(), q.device,
+        k.__class__, k.dtype, k.shape, k.stride(), k.device,
+        v.__class__, v.dtype, v.shape, v.stride(), v.device,
+        (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
+        None if table is None else (table.__class__, table.dtype, table.shape, table.stride(), table.device),
+        None if lengths is None else (lengths.__class__, lengths.dtype, lengths.shape, lengths.stride(), lengths.device),
+        None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
+        *options, *map(type, options),
+    )
+
+
 def _run(kind, validate, arrays, options, check, out):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    q, k, v, table, lengths = arrays
     try:
-        q, k, v, table, lengths = arrays
-        key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths),
-               _signature(out), *options, *map(type, options))
+        try:
+            key = _torch_key(kind, q, k, v, table, lengths, out, options)
+        except AttributeError:  # not all torch tensors
+            key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths),
+                   _signature(out), *options, *map(type, options))
         plan = _PLANS.get(key)  # hashes the key once
-    except TypeError:  # an argument without a signature: validated and planned on every call
+    except TypeError:  # an argument without a signature, or unhashable options: validated and planned every call
         key = plan = None
     if plan is None:
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
