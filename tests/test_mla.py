@@ -64,6 +64,37 @@ def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config,
     assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3
 
 
+@pytest.mark.parametrize("blocks, heads, page_size", [(1, 20, 3), (2, 70, 5)])
+def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size):
+    """The persistent wgmma kernel on ``blocks`` blocks: one block taking every (sequence, head chunk)
+    item, or two taking alternate items of two head chunks each; empty sequences first, between and
+    last, so that the copy stream and the next Q skip items; pages not dividing a tile."""
+    args = _inputs(rng, 6, heads, 128, 16, page_size, 6, "bfloat16")
+    args[5][:] = (0, args[5][1], 0, 6 * page_size, 7, 0)  # 7: one tile, part of it
+    p = module._validate(*args, 0.11, True)
+    plan = module._HostPlan(p, MlaConfig(32, 2, 8, "shared", True, True), 1)
+    plan.grid = (blocks,)
+    o, lse = plan(*args)
+    ref_o, ref_lse = reference.mla_decode(*args, scale=0.11, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["bfloat16"]
+    lse = reference.to_float64(lse)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(lse), finite)
+    assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3
+
+
+def test_mla_persistent_grid_and_fallback():
+    """A persistent configuration plans a 1-D grid of at most one block per item and per SM slot; with
+    key splits it runs the ordinary kernel; only the wgmma shared schedule may be persistent."""
+    args = _inputs(np.random.default_rng(1), 3, 70, 128, 16, 4, 4, "float16")
+    p = module._validate(*args, 0.1, False)
+    config = MlaConfig(32, 2, 8, "shared", True, True)
+    assert module._HostPlan(p, config, 1).grid == (min(6, 2),)  # 6 items, the simulator's one SM holds 2 blocks
+    assert module._HostPlan(p, config, 3).grid == (3, 2, 3)
+    with pytest.raises(ValueError, match="persistent"):
+        module._HostPlan(p, MlaConfig(32, 2, 8, "duplicated", True, True), 1)
+
+
 def test_mla_decode_public_call(rng):
     """The public function with the default configuration and splits, lse off, torch CPU tensors in and out."""
     args = _inputs(rng, 2, 16, 64, 16, 4, 6, "float16", library="torch", device="cpu")
@@ -161,6 +192,28 @@ def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
         assert max_error(o, ref_o) <= ATOL["bfloat16"]
     assert max_error(numattn.mla_decode(*args, scale=0.07), ref_o) <= ATOL["bfloat16"]
+
+
+@pytest.mark.gpu
+def test_mla_persistent_kernel_on_gpu(rng):
+    """The persistent wgmma kernel at DeepSeek's sizes with more items than blocks: 300 sequences of 80
+    heads (600 items over one block per SM), random lengths with empty sequences, pages of 16 and of 1."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    for page_size in (16, 1):
+        args = _inputs(rng, 300, 80, 512, 64, page_size, 160 // page_size, "bfloat16", library="torch", device="cuda")
+        args[5][7::41] = 0
+        p = module._validate(*args, 0.07, True)
+        plan = module._TorchPlan(p, MlaConfig(32, 4, 8, "shared", True, True), 1)
+        assert len(plan.grid) == 1 and plan.grid[0] < 600
+        ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
+        for _ in range(2):
+            o, lse = plan(*args)
+            assert max_error(o, ref_o) <= ATOL["bfloat16"]
+            lse = reference.to_float64(lse)
+            finite = np.isfinite(ref_lse)
+            assert np.array_equal(np.isfinite(lse), finite)
+            assert np.abs(lse[finite] - ref_lse[finite]).max() <= 1e-3
 
 
 @pytest.mark.gpu

@@ -268,6 +268,26 @@ def test_copies_from_global_addresses(rng, where):
     assert np.array_equal(out.copy_to_host(), expected)
 
 
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_word_stores_at_global_addresses(rng, where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import address_store_kernel
+
+    words = rng.integers(0, 1 << 32, size=(32, 3), dtype=np.uint32)
+    full = np.full((8, 8, 16), 0xABCD, np.uint16)
+    out = cuda.to_device(full)
+    address_store_kernel[1, 32](cuda.to_device(words), out[:, ::2, :])
+    expected = full.copy()
+    rows = expected[:, ::2, :]  # a view: rows[l // 4, l % 4] is lane l's row
+    for lane in range(32):
+        row = rows[lane // 4, lane % 4]
+        for offset, word in zip((2, 4, 8), words[lane]):
+            row[offset], row[offset + 1] = word & 0xFFFF, word >> 16
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_wgmma_swizzled_operands(rng, bf16, where):

@@ -32,6 +32,7 @@ from numattn.kernels.ptx import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    st_global_b32_at,
     st_shared_b32,
     stmatrix_x4_trans,
     unpack_bf16x2,
@@ -173,6 +174,17 @@ def address_copy_kernel(src, out):
     cp_async_wait_group(0)
     for c in range(16):
         out[lane, c] = tile[lane, c]
+
+
+@cuda.jit
+def address_store_kernel(words, out):
+    """Lane l stores its words ``words[l, 0:3]`` from the address of ``out[l // 4, l % 4, 2]`` (``out`` a
+    strided view) at byte offsets 0, 4 and 12: elements 2..5 and 8..9 of that row; ``st_global_b32_at``."""
+    lane = cuda.threadIdx.x
+    row = global_address(out, (lane // 4, lane % 4, 2))
+    st_global_b32_at(row, words[lane, 0])
+    st_global_b32_at(row + 4, words[lane, 1])
+    st_global_b32_at(row + 12, words[lane, 2])
 
 WG_N, WG_D, WG_K = 64, 128, 32  # wgmma test: S = A Bᵀ is 64×64 over 128, O = A[:, :32] · V is 64×64 over 32
 WG_TILES, WG_REGS = 8, 32  # n8 accumulator tiles of a 64-wide product, and its registers per thread

@@ -1,15 +1,16 @@
 """asv benchmarks of numattn.mla_decode on the GPU (skipped without one): median GPU microseconds
-from CUDA events, and FlashInfer's GB/s metric, on pages of one latent row."""
+from CUDA events, and FlashInfer's GB/s metric, on pages of one latent row; the default configuration
+and the persistent wgmma kernel (sm_90)."""
 
 import numattn
 from numattn.bench import MLA_SHAPES, cuda_time_ms
 
 
 class MlaDecode:
-    params = (MLA_SHAPES,)
-    param_names = ["batch_heads_seqlen"]
+    params = (MLA_SHAPES, ["default", "persistent"])
+    param_names = ["batch_heads_seqlen", "kernel"]
 
-    def setup(self, shape):
+    def setup(self, shape, kernel):
         if numattn.SIMULATOR:
             raise NotImplementedError("needs an NVIDIA GPU")
         import torch
@@ -24,15 +25,21 @@ class MlaDecode:
             torch.full((batch,), seqlen, device="cuda", dtype=torch.int32),
         )
         self.bytes = 2 * batch * (heads * (512 + 64 + 512) + seqlen * (512 + 64))
+        self.call = lambda: numattn.mla_decode(*self.args, scale=0.1, check=False)
+        if kernel == "persistent":
+            from numattn.kernels.mla import MlaConfig
+            from numattn.ops.mla import _TorchPlan, _validate
+
+            if torch.cuda.get_device_capability() != (9, 0):
+                raise NotImplementedError("the persistent kernel needs sm_90")
+            plan = _TorchPlan(_validate(*self.args, 0.1, False), MlaConfig(32, 4, 8, "shared", True, True), 1)
+            self.call = lambda: plan(*self.args)
         self.call()  # compile outside the timing
 
-    def call(self):
-        return numattn.mla_decode(*self.args, scale=0.1, check=False)
-
-    def track_us(self, shape):
+    def track_us(self, shape, kernel):
         return cuda_time_ms(self.call) * 1e3
 
-    def track_gbs(self, shape):
+    def track_gbs(self, shape, kernel):
         return self.bytes / cuda_time_ms(self.call) / 1e6
 
     track_us.unit = "us"

@@ -65,7 +65,9 @@ class MlaConfig:
     ``block_n`` latent rows per tile (a multiple of 16), ``stages`` tiles in the
     ``cp.async`` ring, ``warps`` warps per block (each owns ``R / warps`` output
     columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring);
-    ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps; ``qk`` "duplicated" or "shared").
+    ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps; ``qk`` "duplicated" or "shared");
+    ``persistent``: its shared schedule on a grid of one block per SM taking the (sequence, head
+    chunk) items in turn (calls with key splits run the ordinary kernel).
     """
 
     block_n: int
@@ -73,6 +75,7 @@ class MlaConfig:
     warps: int
     qk: str
     wgmma: bool = False
+    persistent: bool = False
 
     @property
     def heads_per_block(self):
@@ -117,6 +120,8 @@ def mla_config_error(config, rank, rope, cc):
         return f"qk must be one of {schedules}, got {config.qk!r}"
     if config.block_n % 16 or config.stages < 2 or config.warps < 1:
         return "block_n must be a multiple of 16, stages at least 2, warps at least 1"
+    if config.persistent and not (config.wgmma and config.qk == "shared"):
+        return "the persistent kernel is the wgmma kernel's shared schedule"
     if config.wgmma:
         if tuple(cc) != (9, 0):
             return "the wgmma kernel runs on sm_90 only"
@@ -192,13 +197,15 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     page_table ``[B, max_pages]`` and seqlens ``[B]`` int32, lse ``[B, H]``
     float32 (when ``write_lse`` and not ``split``); with ``split``, o_part
     ``[B, H, 1, S, R]`` and lse_part ``[B, H, 1, S]`` float32 (log2 domain) for
-    the decode combine kernel. Grid ``(S, cdiv(H, heads_per_block), B)``, ``32 · warps`` threads,
+    the decode combine kernel. Grid ``(S, cdiv(H, heads_per_block), B)`` (a persistent configuration
+    without splits: any 1-D grid), ``32 · warps`` threads,
     ``mla_shared_bytes`` of dynamic shared memory. Page indices are clamped into
     the cache and lengths into the page table's capacity. The wgmma kernel writes
     ``o`` in 16-byte chunks: its rows contiguous, 16-byte aligned.
     """
     if config.wgmma:
-        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split, write_lse)
+        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split, write_lse,
+                                config.persistent and not split)
     R, P, BLOCK_N, STAGES, WARPS = rank, rope, config.block_n, config.stages, config.warps
     THREADS = 32 * WARPS
     SHARDED = config.qk == "sharded"

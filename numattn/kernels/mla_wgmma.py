@@ -21,6 +21,15 @@ columns each, 128 registers per thread at ``R`` = 512); both need the whole
   rescaling factors to warpgroup 1 through shared memory (mbarriers: P ready,
   P read). Half the score products and half the shared-memory reads of Q.
 
+A persistent variant of the shared schedule (one block per SM taking the
+(sequence, 64-head chunk) items in turn) hides each item's start and drain
+behind its neighbours: every thread's copy stream runs on from an item's last
+tile into the next item's first, warpgroup 0 loads the next item's Q tile as
+soon as its last score product of the item is done, and the output rows go
+out from registers (the Q tile is no longer free to stage them). Warpgroup 0
+hands an item's final row sums to warpgroup 1 through an mbarrier once
+warpgroup 1 has taken the item's last P, so that neither runs a phase ahead.
+
 Each warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
 ``kpe`` columns), so that it can refill a buffer as soon as its own ``P V``
 of the buffer's tile is complete and the tile's scores are (an mbarrier per
@@ -57,6 +66,7 @@ from .ptx import (
     mbarrier_try_wait,
     pack_bf16x2,
     pack_f16x2,
+    st_global_b32_at,
     st_shared_b32,
     wgmma_commit,
     wgmma_fence,
@@ -100,11 +110,15 @@ def mla_wgmma_shared_bytes(block_n, stages, rank, rope, shared_scores):
 
 
 @functools.lru_cache(maxsize=None)
-def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
+def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, persistent=False):
     """Numba kernel with the arguments of ``mla.mla_decode_kernel``; grid ``(S, cdiv(H, 64), B)``,
     ``THREADS`` threads, ``mla_wgmma_shared_bytes`` of dynamic shared memory. ``rank`` a multiple
     of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 up to 64,
-    ``qk`` "duplicated" or "shared"; ``o`` with contiguous rows starting at 16-byte boundaries."""
+    ``qk`` "duplicated" or "shared"; ``o`` with contiguous rows starting at 16-byte boundaries.
+    ``persistent`` (shared schedule, no splits): a 1-D grid of any size whose blocks take the
+    (sequence, 64-head chunk) items in turn (see the module docstring)."""
+    if persistent and (qk != "shared" or split):
+        raise ValueError("the persistent wgmma MLA kernel runs the shared schedule without key splits")
     R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
     SHARED = qk == "shared"
     PANELS = wgmma_panels(R, P)
@@ -127,10 +141,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
     ALPHA, L_FINAL, M_FINAL, FLAGS = 0, HEADS_PER_BLOCK, 2 * HEADS_PER_BLOCK, 3 * HEADS_PER_BLOCK
     # mbarriers: FULL + s (stage s loaded), Q_FULL; duplicated: SCORED + STAGES·w + s (warpgroup w's
     # scores of stage s done); shared: P_READY (warpgroup 0 wrote P), P_FREE (warpgroup 1 read it)
-    FULL, Q_FULL, SCORED, P_READY, P_FREE = 0, STAGES, STAGES + 1, STAGES + 1, STAGES + 2
-    BARRIERS = STAGES + 3 if SHARED else 3 * STAGES + 1
+    # persistent: STATS_READY (warpgroup 0 wrote an item's final row statistics)
+    FULL, Q_FULL, SCORED, P_READY, P_FREE, STATS_READY = 0, STAGES, STAGES + 1, STAGES + 1, STAGES + 2, STAGES + 3
+    BARRIERS = (STAGES + 3 + persistent) if SHARED else 3 * STAGES + 1
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
-    SPLIT, WRITE_LSE = split, write_lse
+    Q_READ = 3  # persistent: named barrier of warpgroup 0 once its last scores of an item are done
+    SPLIT, WRITE_LSE, PERSISTENT = split, write_lse, persistent
+    Q_THREADS = 128 if PERSISTENT else THREADS  # threads that load the Q tile (persistent: warpgroup 0)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     wgmma_ss_desc = wgmma_ss_desc_bf16 if bf16 else wgmma_ss_desc_f16
@@ -248,80 +265,119 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
         if cuda.threadIdx.x % 32 == 0:
             stats[FLAGS + warp] = _ONE if rescaled else _ZERO
 
-    def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
-        smem = cuda.shared.array(0, uint16)
-        bars = cuda.shared.array(BARRIERS, int64)
-        start = aligned_start(smem, SW128_ALIGN)
-        view = tile_view(smem, start, VIEW_ROWS, 64)
-        b, head0 = cuda.blockIdx.z, cuda.blockIdx.y * HEADS_PER_BLOCK
-        split, splits = cuda.blockIdx.x, cuda.gridDim.x
-        tid = cuda.threadIdx.x
-        warp, lane = tid // 32, tid % 32
-        g, t = lane // 4, lane % 4
-        group = warp // 4
-        heads, page_size = q_nope.shape[1], ckv.shape[1]
-        seqlen = min(max(seqlens[b], 0), page_table.shape[1] * page_size)
+    @cuda.jit(device=True, inline="always")
+    def item_span(b, seqlens, capacity, split, splits):
+        """``(first, end, n_tiles)``: the keys of sequence ``b`` a block takes, all of them (persistent)
+        or key split ``split`` of ``splits``, and their tiles."""
+        seqlen = min(max(seqlens[b], 0), capacity)
+        if PERSISTENT:
+            return int64(0), seqlen, -(-seqlen // BLOCK_N)
         per_split = -(-seqlen // splits)
         first, end = split * per_split, min(seqlen, (split + 1) * per_split)
-        n_tiles = max(0, -(-(end - first) // BLOCK_N))
-        my_row = (tid % 128) // ROW_THREADS  # the latent row of each tile this thread copies
-        my_lane = tid % ROW_THREADS
-        other = (group + 1) % GROUPS
+        return first, end, max(0, -(-(end - first) // BLOCK_N))
 
-        if tid == 0:
-            for stage in range(STAGES):
-                mbarrier_init(bars, FULL + stage, THREADS)
-                if not SHARED:
-                    for w in range(GROUPS):
-                        mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
-            mbarrier_init(bars, Q_FULL, THREADS)
-            if SHARED:
-                mbarrier_init(bars, P_READY, 128)
-                mbarrier_init(bars, P_FREE, 128)
-        cuda.syncthreads()
-        page, position = int32(0), 0
-        next_key = first + my_row  # this thread's row of the next tile to load, in its page-table entry
-        slot, offset = next_key // page_size, next_key % page_size
-        slot_step, offset_step = BLOCK_N // page_size, BLOCK_N % page_size
-        # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
-        # refills a stage after its P V; the others fill all but one, refilled before their P V
-        prologue = STAGES if SHARED and group == 1 else STAGES - 1
-        if n_tiles > 0:
-            for idx in range(tid, HEADS_PER_BLOCK * CHUNKS, THREADS):  # the Q tile: [q_nope | q_pe] per head
-                r, c = idx // CHUNKS, idx % CHUNKS
-                valid = head0 + r < heads
-                h = head0 + r if valid else 0
-                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, 8 * c)
-                if c < NOPE_CHUNKS:
-                    cp_async_16(view, row, col, q_nope, (b, h, 8 * c), 16 if valid else 0)
-                else:
-                    cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
-            cp_async_mbarrier_arrive(bars, Q_FULL)
-            page, position = locate(page_table, b, next_key, end, slot, offset)
-            for j in range(prologue):  # each thread's next page is looked up a tile ahead
-                if j < n_tiles:
-                    load_tile_async(view, bars, ckv, kpe, j, page, position, next_key < end, group, my_row, my_lane)
-                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
-                                                                      page_size, slot_step, offset_step)
-            if not SHARED and group == GROUPS - 1:
-                barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
+    @cuda.jit(device=True, inline="always")
+    def next_item(b, c, items):
+        """The item after (sequence ``b``, head chunk ``c``) among a persistent block's: ``items`` is
+        ``(batch, chunks, step_b, step_c, ...)``, the grid's size split into whole sequences and chunks
+        (added with one wrap test, no division)."""
+        _, chunks, step_b, step_c = items[:4]
+        b, c = b + step_b, c + step_c
+        if c >= chunks:
+            b, c = b + 1, c - chunks
+        return b, c
 
-        m_i = cuda.local.array(2, float32)
-        l_i = cuda.local.array(2, float32)
-        row_max = cuda.local.array(2, float32)
-        alpha = cuda.local.array(2, float32)
-        acc = cuda.local.array((1, DTILES, 4), float32)
-        s = cuda.local.array((1, NTILES, 4), float32)
-        p_frag = cuda.local.array((PSTEPS, 4), uint32)
-        init(m_i, l_i, acc)
-        # the shared schedule's row statistics, after the P tile (a view that the duplicated one never reads)
-        stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]
+    @cuda.jit(device=True, inline="always")
+    def with_keys(b, c, seqlens, items):
+        """The first of a persistent block's items from (``b``, ``c``) on whose sequence has keys
+        (``b`` at or past the batch if none)."""
+        batch, capacity = items[0], items[4]
+        while b < batch and min(seqlens[b], capacity) <= 0:
+            b, c = next_item(b, c, items)
+        return b, c
 
-        if n_tiles > 0:
-            wait_phase(bars, Q_FULL, 0)
-        # ring positions without runtime divisions: tile j sits in ``stage``, in its ``parity``-th use (mod 2)
-        stage, parity, prev_stage, prev_parity = 0, 0, STAGES - 1, 1
+    @cuda.jit(device=True, inline="always")
+    def stream_at(b, c, page_table, seqlens, items):
+        """A persistent thread's copy stream at the first tile of item (``b``, ``c``) or, when that has no
+        keys, of the next one with keys: ``(b, c, end, tiles left, key, slot, offset, page, position)``
+        as ``stream_start`` gives it (past the last item: no tiles left)."""
+        b, c = with_keys(b, c, seqlens, items)
+        if b >= items[0]:
+            return b, c, int64(0), int64(0), int64(0), int64(0), int64(0), int32(0), int64(0)
+        _, end, n_tiles = item_span(b, seqlens, items[4], 0, 1)
+        key, slot, offset = items[5], items[6], items[7]  # this thread's first row of any item
+        page, position = locate(page_table, b, key, end, slot, offset)
+        return b, c, end, n_tiles, key, slot, offset, page, position
+
+    @cuda.jit(device=True, inline="always")
+    def stream_start(b, c, first, end, n_tiles, page_table, walk, my_row):
+        """A thread's copy stream at the first of ``n_tiles`` tiles from key ``first`` of sequence ``b``,
+        head chunk ``c``: ``(b, c, end, tiles left, key, slot, offset, page, position)``; ``key`` is the
+        thread's row of the tile, ``slot`` and ``offset`` its page-table entry and place in that page, ``page``
+        and ``position`` what ``locate`` gives to copy it from."""
+        key = first + my_row
+        slot, offset = key // walk[0], key % walk[0]
+        page, position = locate(page_table, b, key, end, slot, offset)
+        return b, c, end, n_tiles, key, slot, offset, page, position
+
+    @cuda.jit(device=True, inline="always")
+    def copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group, my_row, my_lane):
+        """Start this thread's copies of its stream's next tile into ring ``stage``; the stream moves on
+        to its row of the tile after, in this item or (persistent) the next one with keys."""
+        b, c, end, left, key, slot, offset, page, position = stream
+        load_tile_async(view, bars, ckv, kpe, stage, page, position, key < end, group, my_row, my_lane)
+        if PERSISTENT and left == 1:
+            next_b, next_c = next_item(b, c, items)
+            return stream_at(next_b, next_c, page_table, seqlens, items)
+        key, slot, offset, page, position = next_row(page_table, b, key, slot, offset, end, walk[0], walk[1], walk[2])
+        return b, c, end, left - 1 if PERSISTENT else left, key, slot, offset, page, position
+
+    @cuda.jit(device=True, inline="always")
+    def stream_more(stream, issued):
+        """Whether the copy stream has a tile left: a persistent stream counts its tiles down; otherwise
+        ``issued`` of the item's ``stream[3]`` tiles have been started."""
+        if PERSISTENT:
+            return stream[3] > 0
+        return issued < stream[3]
+
+    @cuda.jit(device=True, inline="always")
+    def load_q_async(view, bars, q_nope, q_pe, b, head0, heads):
+        """Start the copies of the Q tile, ``[q_nope | q_pe]`` of heads ``head0 ..`` (zeros past the last
+        head) by the first ``Q_THREADS`` threads; Q_FULL counts them in. The persistent kernel copies only
+        the rows of existing heads (a row past them keeps whatever the tile held, which reaches only its
+        own scores and output row, never stored): a trip count known at run time keeps the compiler from unrolling
+        the loop and holding every copy's addresses across the item loop."""
+        rows = min(HEADS_PER_BLOCK, heads - head0) if PERSISTENT else HEADS_PER_BLOCK
+        for idx in range(cuda.threadIdx.x, rows * CHUNKS, Q_THREADS):
+            r, c = idx // CHUNKS, idx % CHUNKS
+            valid = head0 + r < heads
+            h = head0 + r if valid else 0
+            row, col = sw128_cell(0, HEADS_PER_BLOCK, r, 8 * c)
+            if c < NOPE_CHUNKS:
+                cp_async_16(view, row, col, q_nope, (b, h, 8 * c), 16 if valid else 0)
+            else:
+                cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
+        cp_async_mbarrier_arrive(bars, Q_FULL)
+
+    @cuda.jit(device=True, inline="always")
+    def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
+                     n_tiles, stream, state, regs, me):
+        """One item of a block: sequence ``b``'s keys ``first .. end`` (``n_tiles`` tiles) against head chunk
+        ``c``, from the ring as the copy stream fills it (``stream``, refilled as tiles free up) to the output
+        rows; ``state`` is the ring and handover position ``(stage, parity, prev_stage, prev_parity, tiles
+        of earlier items, earlier items with keys)``: tile j sits in ring ``stage``, in its ``parity``-th use
+        (mod 2), no runtime divisions. ``arrays`` are the kernel's array arguments, ``regs`` the thread's
+        softmax state, accumulator, scores and row statistics, ``me`` its place in the block. Returns the
+        stream and the state after the item."""
+        q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part = arrays
+        m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
+        tid, warp, g, t, group, other, my_row, my_lane = me
+        stage, parity, prev_stage, prev_parity, tiles_done, items_done = state
         scorer = not SHARED or group == 0
+        head0 = c * HEADS_PER_BLOCK
+        init(m_i, l_i, acc)
+        if n_tiles > 0 and (scorer or not PERSISTENT):
+            wait_phase(bars, Q_FULL, items_done & 1)
         for j in range(n_tiles):
             if scorer:
                 wait_phase(bars, FULL + stage, parity)
@@ -333,23 +389,28 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 issue_scores(s, smem, start, stage)
                 if not SHARED:
                     barrier_arrive(TURN + other, THREADS)
-                # refill the stage of tile j - 1 with tile j + STAGES - 1: this warpgroup's panels are free
-                # once its P V(j - 1) is complete and the scores of tile j - 1 (the other's, when duplicated) are
-                ahead = j + STAGES - 1 < n_tiles
+                # refill the stage of the tile before with the stream's next: this warpgroup's panels are
+                # free once its P V of that tile is complete and the tile's scores (the other's, when
+                # duplicated) are
+                more = stream_more(stream, j + STAGES - 1)
                 if j > 0:
                     wgmma_wait(1)
                     fence_registers(acc, O_REGS)
-                    if ahead and not SHARED:
+                    if more and not SHARED:
                         wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
-                if ahead:
-                    load_tile_async(view, bars, ckv, kpe, prev_stage, page, position, next_key < end, group, my_row,
-                                    my_lane)
-                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
-                                                                      page_size, slot_step, offset_step)
+                if more:
+                    stream = copy_next(view, bars, ckv, kpe, prev_stage, stream, page_table, seqlens, items, walk,
+                                       group, my_row, my_lane)
                 wgmma_wait(0)
                 fence_registers(s, S_REGS)
                 if not SHARED:
                     mbarrier_arrive(bars, SCORED + STAGES * group + stage)
+                if PERSISTENT and j == n_tiles - 1:  # the item's last scores are done: the next item's Q
+                    barrier_sync(Q_READ, 128)
+                    next_b, next_c = next_item(b, c, items)
+                    next_b, next_c = with_keys(next_b, next_c, seqlens, items)
+                    if next_b < items[0]:
+                        load_q_async(view, bars, q_nope, q_pe, next_b, next_c * HEADS_PER_BLOCK, heads)
 
                 n0 = first + j * BLOCK_N
                 scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
@@ -358,13 +419,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                     rescale(acc, alpha)
                 pack_p(p_frag, s)
                 if SHARED:  # hand P over once warpgroup 1 has read the previous one
-                    if j > 0:
-                        wait_phase(bars, P_FREE, (j - 1) & 1)
+                    if tiles_done + j > 0:
+                        wait_phase(bars, P_FREE, (tiles_done + j - 1) & 1)
                     share_p(view, stats, p_frag, alpha, rescaled, warp, g, t)
                     fence_proxy_async()
                     mbarrier_arrive(bars, P_READY)
             else:
-                wait_phase(bars, P_READY, j & 1)
+                wait_phase(bars, P_READY, (tiles_done + j) & 1)
                 if stats[FLAGS + warp % 4] != _ZERO:
                     for half in range(2):
                         factor = stats[ALPHA + 16 * (warp % 4) + g + 8 * half]
@@ -377,11 +438,9 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 wgmma_wait(0)
                 fence_registers(acc, O_REGS)
                 mbarrier_arrive(bars, P_FREE)
-                if j + STAGES < n_tiles:  # this warpgroup's panels of the stage are free
-                    load_tile_async(view, bars, ckv, kpe, stage, page, position, next_key < end, group, my_row,
-                                    my_lane)
-                    next_key, slot, offset, page, position = next_row(page_table, b, next_key, slot, offset, end,
-                                                                      page_size, slot_step, offset_step)
+                if stream_more(stream, j + STAGES):  # this warpgroup's panels of the stage are free
+                    stream = copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group,
+                                       my_row, my_lane)
             prev_stage, prev_parity = stage, parity
             stage += 1
             if stage == STAGES:
@@ -396,11 +455,26 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
             fence_registers(acc, O_REGS)
 
         # the scorers' row statistics: full sums over the lane quad (handed to warpgroup 1 when shared)
-        l_row = cuda.local.array(2, float32)
-        m_row = cuda.local.array(2, float32)
         for half in range(2):
             l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
-        if SHARED:
+        if PERSISTENT:
+            tiles_done += n_tiles
+            if n_tiles > 0:
+                if group == 0:
+                    # warpgroup 1 has taken every P of this item, so it has read the previous item's statistics
+                    wait_phase(bars, P_FREE, (tiles_done - 1) & 1)
+                    if t == 0:
+                        for half in range(2):
+                            stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
+                            stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
+                    mbarrier_arrive(bars, STATS_READY)
+                else:
+                    wait_phase(bars, STATS_READY, items_done & 1)
+                    for half in range(2):
+                        l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
+                        m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
+                items_done += 1
+        elif SHARED:
             if group == 0 and t == 0:
                 for half in range(2):
                     stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
@@ -410,7 +484,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 for half in range(2):
                     l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
                     m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
-        if not SPLIT:
+        if not SPLIT and not PERSISTENT:
             cuda.syncthreads()  # both warpgroups' last products are complete: the Q tile is free
         for half in range(2):
             l_sum = l_row[half]
@@ -421,7 +495,14 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
                 if h < heads:
                     for dt in range(DTILES):
                         for e in range(2):
-                            o_part[b, h, 0, split, group * COLS + 8 * dt + 2 * t + e] = acc[0, dt, 2 * half + e] * inv
+                            col = group * COLS + 8 * dt + 2 * t + e
+                            o_part[b, h, 0, cuda.blockIdx.x, col] = acc[0, dt, 2 * half + e] * inv
+            elif PERSISTENT:  # the Q tile holds the next item's queries: rows go out from registers
+                if h < heads:
+                    row_address = global_address(o, (b, h, group * COLS + 2 * t))
+                    for dt in range(DTILES):
+                        pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
+                        st_global_b32_at(row_address + ELEM * 8 * dt, pair)
             else:  # the output rows go out through the Q tile, so that each global store is a 16-byte chunk
                 for dt in range(DTILES):
                     row, col = sw128_cell(0, HEADS_PER_BLOCK, r, group * COLS + 8 * dt)
@@ -430,15 +511,98 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse):
             if h < heads and group == 0 and t == 0:
                 row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 if SPLIT:
-                    lse_part[b, h, 0, split] = row_lse
+                    lse_part[b, h, 0, cuda.blockIdx.x] = row_lse
                 elif WRITE_LSE:
                     lse[b, h] = row_lse * _LN2
-        if not SPLIT:
+        if not SPLIT and not PERSISTENT:
             cuda.syncthreads()
             for idx in range(tid, min(HEADS_PER_BLOCK, heads - head0) * NOPE_CHUNKS, THREADS):
-                r, c = idx // NOPE_CHUNKS, 8 * (idx % NOPE_CHUNKS)
-                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, c)
-                copy_16_to_global(o, (b, head0 + r, c), view, row, col)
+                r, col_c = idx // NOPE_CHUNKS, 8 * (idx % NOPE_CHUNKS)
+                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, col_c)
+                copy_16_to_global(o, (b, head0 + r, col_c), view, row, col)
+        return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done)
+
+    def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
+        smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(BARRIERS, int64)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, VIEW_ROWS, 64)
+        tid = cuda.threadIdx.x
+        warp, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        group = warp // 4
+        heads, page_size = q_nope.shape[1], ckv.shape[1]
+        capacity = page_table.shape[1] * page_size
+        walk = (page_size, BLOCK_N // page_size, BLOCK_N % page_size)  # see next_row
+        my_row = (tid % 128) // ROW_THREADS  # the latent row of each tile this thread copies
+        my_lane = tid % ROW_THREADS
+        if PERSISTENT:  # items (sequence b, 64-head chunk c) number blockIdx.x, + gridDim.x, ... of B · chunks
+            batch, chunks = seqlens.shape[0], -(-heads // HEADS_PER_BLOCK)
+            step, item = int64(cuda.gridDim.x), int64(cuda.blockIdx.x)
+            items = (batch, chunks, step // chunks, step % chunks, capacity, int64(my_row), my_row // page_size,
+                     my_row % page_size)
+            rounds = -(-(batch * chunks - item) // step)
+            b, c = item // chunks, item % chunks
+            stream = stream_at(b, c, page_table, seqlens, items)
+        else:  # the grid position's item and key split
+            items = None  # only persistent streams cross items
+            rounds = 1
+            b, c = int64(cuda.blockIdx.z), int64(cuda.blockIdx.y)
+            first, end, n_tiles = item_span(b, seqlens, capacity, cuda.blockIdx.x, cuda.gridDim.x)
+            stream = stream_start(b, c, first, end, n_tiles, page_table, walk, my_row)
+        other = (group + 1) % GROUPS
+
+        if tid == 0:
+            for stage in range(STAGES):
+                mbarrier_init(bars, FULL + stage, THREADS)
+                if not SHARED:
+                    for w in range(GROUPS):
+                        mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
+            mbarrier_init(bars, Q_FULL, Q_THREADS)
+            if SHARED:
+                mbarrier_init(bars, P_READY, 128)
+                mbarrier_init(bars, P_FREE, 128)
+            if PERSISTENT:
+                mbarrier_init(bars, STATS_READY, 128)
+        cuda.syncthreads()
+        # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
+        # refills a stage after its P V; the others fill all but one, refilled before their P V
+        prologue = STAGES if SHARED and group == 1 else STAGES - 1
+        if stream[3] > 0:  # the Q tile of the stream's first item, then its first tiles
+            if tid < Q_THREADS:
+                load_q_async(view, bars, q_nope, q_pe, stream[0], stream[1] * HEADS_PER_BLOCK, heads)
+            for j in range(prologue):  # each thread's next page is looked up a tile ahead
+                if stream_more(stream, j):
+                    stream = copy_next(view, bars, ckv, kpe, j, stream, page_table, seqlens, items, walk, group,
+                                       my_row, my_lane)
+            if not SHARED and group == GROUPS - 1:
+                barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
+
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        row_max = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((1, DTILES, 4), float32)
+        s = cuda.local.array((1, NTILES, 4), float32)
+        p_frag = cuda.local.array((PSTEPS, 4), uint32)
+        l_row = cuda.local.array(2, float32)
+        m_row = cuda.local.array(2, float32)
+        # the shared schedule's row statistics, after the P tile (a view that the duplicated one never reads)
+        stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]
+
+        arrays = (q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part)
+        regs = (m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row)
+        me = (tid, warp, g, t, group, other, my_row, my_lane)
+        state = (0, 0, STAGES - 1, 1, 0, 0)  # see process_item
+        if PERSISTENT:
+            for _ in range(rounds):  # the block's items in turn
+                first, end, n_tiles = item_span(b, seqlens, capacity, 0, 1)
+                stream, state = process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b,
+                                             c, first, end, n_tiles, stream, state, regs, me)
+                b, c = next_item(b, c, items)
+        else:
+            process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
+                         n_tiles, stream, state, regs, me)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

@@ -725,6 +725,33 @@ def _cp_async_16_at(typingctx, dst, row, col, address, nbytes):
 _bind(cp_async_16_at, _cp_async_16_at)
 
 
+def st_global_b32_at(address, value):
+    """``st_global_b32_at(address, value)``: store the 32-bit ``value`` at the global ``address``
+    (``global_address`` of a 16-bit array plus a byte offset, 4-byte aligned), two elements with the
+    first in the low half (as ``pack_*x2`` makes them). Emits ``st.global.b32``: an output row written
+    from registers at constant offsets from one address."""
+    array, index = address.array, address.index
+    array[index] = value & 0xFFFF
+    array[(*index[:-1], index[-1] + 1)] = value >> 16
+
+
+@intrinsic
+def _st_global_b32_at(typingctx, address, value):
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr = context.cast(builder, args[0], sig.args[0], types.int64)
+        word = context.cast(builder, args[1], sig.args[1], types.uint32)
+        _asm(builder, "st.global.b32 [$0], $1;", "l,r,~{memory}", ir.VoidType(), [ptr, word], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(address, value), codegen
+
+
+_bind(st_global_b32_at, _st_global_b32_at)
+
+
 def cp_async_commit():
     """``cp_async_commit()``: close the group of ``cp_async_16`` copies issued so far (``cp.async.commit_group``)."""
 

@@ -119,6 +119,8 @@ class _Plan:
         self.splits = min(splits or auto, MAX_SPLITS)
         self.split = self.splits > 1
         self.grid = (self.splits, head_chunks, p.batch)
+        if self.config.persistent and not self.split:  # blocks that stay, taking the items in turn
+            self.grid = (min(work, blocks_per_sm * limits["sms"]),)
         self.threads = 32 * self.config.warps
         self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, self.config, self.split, p.return_lse)
         # the decode combine kernel sees the heads as one KV head's group of query rows
