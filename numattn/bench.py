@@ -302,11 +302,13 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
             try:
                 if config is None:
                     ms = cuda_time_ms(lambda: numattn.mla_decode(*args, scale=0.1, check=False))
-                    config_name = f"default {_TorchPlan(_validate(*args, 0.1, False)).config}"
+                    plan = _TorchPlan(_validate(*args, 0.1, False))
+                    config_name = f"default {plan.config}"
                 else:
                     config_name = str(config)
                     plan = _TorchPlan(_validate(*args, 0.1, False), config)
                     ms = cuda_time_ms(lambda: plan(*args))
+                config_name += f", {plan.splits} split{'s' if plan.splits > 1 else ''}"  # persistent only unsplit
             except Exception as exc:  # a configuration the device cannot hold
                 rows.append({"shape": (batch, heads, seqlen), "config": str(config), "error": str(exc)[:100]})
                 continue
@@ -495,9 +497,10 @@ def main(args):
         from numattn.kernels.mla import MlaConfig
 
         results["copy_gbs"] = copy_gbs()
-        # the default, the wgmma kernel's other score schedule (sm_90), and the mma.sync kernel with
-        # either schedule (sm_80 and later)
+        # the default, the persistent wgmma kernel and the wgmma kernel's other score schedule (sm_90),
+        # and the mma.sync kernel with either schedule (sm_80 and later)
         schedules = [
+            MlaConfig(32, 4, 8, "shared", True, persistent=True),
             MlaConfig(32, 3, 8, "duplicated", True),
             MlaConfig(16, 4, 4, "duplicated"),
             MlaConfig(16, 4, 8, "sharded"),
