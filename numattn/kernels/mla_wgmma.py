@@ -546,7 +546,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             stream = stream_at(b, c, page_table, seqlens, items)
         else:  # the grid position's item and key split
             items = None  # only persistent streams cross items
-            rounds = 1
             b, c = int64(cuda.blockIdx.z), int64(cuda.blockIdx.y)
             first, end, n_tiles = item_span(b, seqlens, capacity, cuda.blockIdx.x, cuda.gridDim.x)
             stream = stream_start(b, c, first, end, n_tiles, page_table, walk, my_row)
