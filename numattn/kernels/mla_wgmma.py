@@ -459,31 +459,29 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
         if PERSISTENT:
             tiles_done += n_tiles
-            if n_tiles > 0:
-                if group == 0:
-                    # warpgroup 1 has taken every P of this item, so it has read the previous item's statistics
+        # persistent: an item without keys hands nothing over (warpgroup 1's sums of 0 give zeros); a
+        # handover waits until warpgroup 1 has taken every P of the item, so that it has read the
+        # previous item's statistics, and signals through an mbarrier instead of a block barrier
+        if SHARED and (n_tiles > 0 or not PERSISTENT):
+            if group == 0:
+                if PERSISTENT:
                     wait_phase(bars, P_FREE, (tiles_done - 1) & 1)
-                    if t == 0:
-                        for half in range(2):
-                            stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
-                            stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
-                    mbarrier_arrive(bars, STATS_READY)
-                else:
-                    wait_phase(bars, STATS_READY, items_done & 1)
+                if t == 0:
                     for half in range(2):
-                        l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
-                        m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
-                items_done += 1
-        elif SHARED:
-            if group == 0 and t == 0:
-                for half in range(2):
-                    stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
-                    stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
-            cuda.syncthreads()
+                        stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
+                        stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
+                if PERSISTENT:
+                    mbarrier_arrive(bars, STATS_READY)
+            if not PERSISTENT:
+                cuda.syncthreads()
             if group == 1:
+                if PERSISTENT:
+                    wait_phase(bars, STATS_READY, items_done & 1)
                 for half in range(2):
                     l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
                     m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
+        if PERSISTENT and n_tiles > 0:
+            items_done += 1
         if not SPLIT and not PERSISTENT:
             cuda.syncthreads()  # both warpgroups' last products are complete: the Q tile is free
         for half in range(2):
