@@ -497,9 +497,10 @@ def main(args):
         from numattn.kernels.mla import MlaConfig
 
         results["copy_gbs"] = copy_gbs()
-        # the default, the persistent wgmma kernel and the wgmma kernel's other score schedule (sm_90),
-        # and the mma.sync kernel with either schedule (sm_80 and later)
+        # the default, the wgmma kernel's shared schedule on either grid and its other score schedule
+        # (sm_90), and the mma.sync kernel with either schedule (sm_80 and later)
         schedules = [
+            MlaConfig(32, 4, 8, "shared", True),
             MlaConfig(32, 4, 8, "shared", True, persistent=True),
             MlaConfig(32, 3, 8, "duplicated", True),
             MlaConfig(16, 4, 4, "duplicated"),

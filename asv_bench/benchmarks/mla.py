@@ -1,13 +1,14 @@
 """asv benchmarks of numattn.mla_decode on the GPU (skipped without one): median GPU microseconds
 from CUDA events, and FlashInfer's GB/s metric, on pages of one latent row; the default configuration
-and the persistent wgmma kernel (sm_90)."""
+and the wgmma kernel's shared schedule on its ordinary and its persistent grid (sm_90; the default
+takes one of them by the number of heads)."""
 
 import numattn
 from numattn.bench import MLA_SHAPES, cuda_time_ms
 
 
 class MlaDecode:
-    params = (MLA_SHAPES, ["default", "persistent"])
+    params = (MLA_SHAPES, ["default", "ordinary", "persistent"])
     param_names = ["batch_heads_seqlen", "kernel"]
 
     def setup(self, shape, kernel):
@@ -26,13 +27,14 @@ class MlaDecode:
         )
         self.bytes = 2 * batch * (heads * (512 + 64 + 512) + seqlen * (512 + 64))
         self.call = lambda: numattn.mla_decode(*self.args, scale=0.1, check=False)
-        if kernel == "persistent":
+        if kernel != "default":
             from numattn.kernels.mla import MlaConfig
             from numattn.ops.mla import _TorchPlan, _validate
 
             if torch.cuda.get_device_capability() != (9, 0):
-                raise NotImplementedError("the persistent kernel needs sm_90")
-            plan = _TorchPlan(_validate(*self.args, 0.1, False), MlaConfig(32, 4, 8, "shared", True, True), 1)
+                raise NotImplementedError("the wgmma kernel needs sm_90")
+            config = MlaConfig(32, 4, 8, "shared", True, persistent=kernel == "persistent")
+            plan = _TorchPlan(_validate(*self.args, 0.1, False), config)
             self.call = lambda: plan(*self.args)
         self.call()  # compile outside the timing
 
