@@ -75,9 +75,11 @@ def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config,
 def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size):
     """The persistent wgmma kernel on ``blocks`` blocks: one block taking every (sequence, head chunk)
     item, or two taking alternate items of two head chunks each; empty sequences first, between and
-    last, so that the copy stream and the next Q skip items; pages not dividing a tile."""
-    args = _inputs(rng, 6, heads, 128, 16, page_size, 6, "bfloat16")
-    args[5][:] = (0, args[5][1], 0, 6 * page_size, 7, 0)  # 7: one tile, part of it
+    last, so that the copy stream and the next Q skip items; pages not dividing a tile; items of one
+    tile and of seven."""
+    pages = 200 // page_size
+    args = _inputs(rng, 6, heads, 128, 16, page_size, pages, "bfloat16")
+    args[5][:] = (0, args[5][1], 0, pages * page_size, 7, 0)  # 7: one tile, part of it
     p = module._validate(*args, 0.11, True)
     plan = module._HostPlan(p, MlaConfig(32, 2, 8, "shared", True, True), 1)
     plan.grid = (blocks,)
