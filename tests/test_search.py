@@ -308,6 +308,26 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
         mi.tune(print, q)
 
 
+def test_mla_tuning_candidates_hold_the_default(rng):
+    """Tuning mla_decode considers the default: on sm_90 (the simulator's) with at most 32 heads that is
+    the persistent grid, a candidate without key splits only; with 64 heads the ordinary grid's space."""
+    from numattn.kernels.mla import mla_default_config
+    from numattn.search.functional import _mla_candidates
+
+    def halves(*shape):
+        return rng.uniform(-1, 1, shape).astype(np.float16)
+
+    for heads in (32, 64):
+        args = (halves(8, heads, 128), halves(8, heads, 16), halves(64, 16, 128), halves(64, 16, 16),
+                rng.permutation(64).astype(np.int32).reshape(8, 8), np.full(8, 128, np.int32))
+        _, problem, candidates, _ = _mla_candidates(*args, scale=0.1)
+        default = mla_default_config(128, 16, (9, 0), heads)
+        persistent = [(config, splits) for config, splits, _ in candidates if config.persistent]
+        assert default.persistent == (heads == 32)
+        assert persistent == ([(default, 1)] if heads == 32 else [])
+        assert {splits for config, splits, _ in candidates if not config.persistent} >= {1, 2}
+
+
 @pytest.mark.gpu
 def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     """On the GPU, tuning times the candidates with CUDA events; the stored choice is what later calls use.

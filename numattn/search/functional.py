@@ -178,7 +178,7 @@ def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, k
 
 
 def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
-    from ..kernels.mla import mla_candidates
+    from ..kernels.mla import mla_candidates, mla_default_config
     from ..ops import mla as module
 
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
@@ -190,11 +190,15 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
     configs = mla_candidates(p.rank, p.rope, limits["cc"])
     if SIMULATOR:  # the configurations that simulate in seconds
         configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
+    default = mla_default_config(p.rank, p.rope, limits["cc"], p.heads)
+    if default.persistent:  # the default's persistent grid, which runs unsplit (split, it is the ordinary kernel)
+        configs = [*configs, default]
     candidates = []
     for config in configs:
         work = p.batch * -(-p.heads // config.heads_per_block)
         for _, splits, seconds in split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
-            candidates.append((config, splits, seconds))
+            if splits == 1 or not config.persistent:
+                candidates.append((config, splits, seconds))
 
     def make(config, splits):
         plan = module.planned(p, config, splits)
