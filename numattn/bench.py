@@ -308,7 +308,8 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
                     config_name = str(config)
                     plan = _TorchPlan(_validate(*args, 0.1, False), config)
                     ms = cuda_time_ms(lambda: plan(*args))
-                config_name += f", {plan.splits} split{'s' if plan.splits > 1 else ''}"  # persistent only unsplit
+                # a persistent configuration runs its persistent grid only without splits
+                config_name += f", {plan.splits} split{'s' if plan.splits > 1 else ''}"
             except Exception as exc:  # a configuration the device cannot hold
                 rows.append({"shape": (batch, heads, seqlen), "config": str(config), "error": str(exc)[:100]})
                 continue

@@ -179,7 +179,8 @@ def mla_default_config(rank, rope, cc, heads=None):
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
     if _SM90_MEASURED in candidates:
-        return _SM90_PERSISTENT if heads is not None and heads <= 32 else _SM90_MEASURED
+        half_chunk = heads is not None and 2 * heads <= _SM90_MEASURED.heads_per_block
+        return _SM90_PERSISTENT if half_chunk else _SM90_MEASURED
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))
