@@ -30,13 +30,19 @@ out from registers (the Q tile is no longer free to stage them). Warpgroup 0
 hands an item's final row sums to warpgroup 1 through an mbarrier once
 warpgroup 1 has taken the item's last P, so that neither runs a phase ahead.
 
-Each warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
+In the shared schedule warpgroup 1 copies whole latent tiles: warpgroup 0,
+which computes the scores, the softmax and half of ``P V``, is the one whose
+work bounds a tile's time, and copies cost it as much as its products (they
+wait in the same load/store queue as everyone's). Warpgroup 1 refills the
+stage of tile j - 1 once it has P of tile j, since warpgroup 0 completed its
+products of tile j - 1 before handing P over. In the duplicated schedule each
+warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the
 ``kpe`` columns), so that it can refill a buffer as soon as its own ``P V``
-of the buffer's tile is complete and the tile's scores are (an mbarrier per
-buffer and warpgroup when duplicated), without waiting for the other
-warpgroup's ``P V``: the next ``stages - 1`` tiles then load during the
-scores and softmax of this one. ``128 / block_n`` threads of a warpgroup
-share a latent row, so a thread looks up one page per tile, a tile ahead
+of the buffer's tile is complete and the other's scores are (an mbarrier per
+buffer and warpgroup), without waiting for the other warpgroup's ``P V``.
+Either way the next ``stages - 1`` tiles load during the scores and softmax
+of this one. ``128 / block_n`` threads of a copying warpgroup share a latent
+row, so a thread looks up one page per tile, a tile ahead
 (stepping through its page-table entries without dividing: ``next_row``),
 and copies from its row's address plus constants.
 """
@@ -55,7 +61,6 @@ from .ptx import (
     barrier_arrive,
     barrier_sync,
     copy_16_to_global,
-    cp_async_16,
     cp_async_16_at,
     cp_async_mbarrier_arrive,
     fence_proxy_async,
@@ -126,10 +131,10 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     COLS = R // GROUPS  # output columns per warpgroup
     NTILES, DTILES = BLOCK_N // 8, COLS // 8
     S_REGS, O_REGS = BLOCK_N // 2, COLS // 2
-    CHUNKS, NOPE_CHUNKS = (R + P) // 8, R // 8  # 16-byte chunks of a latent row, of its ckv part
+    NOPE_CHUNKS = R // 8  # 16-byte chunks of a latent row's ckv part
     ROW_THREADS = 128 // BLOCK_N  # threads of a warpgroup copying one latent row
     PANEL_COPIES = 8 // ROW_THREADS  # a thread's chunks of a panel of its row
-    OWN_PANELS = R // 64 // GROUPS  # the ckv panels a warpgroup copies (and multiplies by P)
+    OWN_PANELS = R // 64 // GROUPS  # the ckv panels a warpgroup multiplies by P
     ROPE_CHUNKS = P // 8
     ROPE_PANELS = -(-ROPE_CHUNKS // 8)
     # shared memory as 128-byte rows of a 64-column view: the Q tile, then STAGES latent tiles
@@ -148,6 +153,11 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     Q_READ = 3  # persistent: named barrier of warpgroup 0 once its last scores of an item are done
     SPLIT, WRITE_LSE, PERSISTENT = split, write_lse, persistent
     Q_THREADS = 128 if PERSISTENT else THREADS  # threads that load the Q tile (persistent: warpgroup 0)
+    # shared: warpgroup 1 copies whole latent tiles; duplicated: each warpgroup the ckv panels it multiplies
+    # by P, and warpgroup 0 the kpe columns
+    COPY_PANELS = R // 64 if SHARED else OWN_PANELS
+    COPIERS = 128 if SHARED else THREADS  # threads whose copies fill a ring stage
+    Q_ROWS_PER_PASS = Q_THREADS // 8  # Q tile rows copied at once, 8 threads per row
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     wgmma_ss_desc = wgmma_ss_desc_bf16 if bf16 else wgmma_ss_desc_f16
@@ -181,8 +191,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
 
     @cuda.jit(device=True, inline="always")
     def load_tile_async(view, bars, ckv, kpe, stage, page, position, valid, group, r, lane):
-        """Start this thread's copies into ring ``stage`` of its row ``r`` of a latent tile, its
-        warpgroup's panels (zeros unless ``valid``); the stage's FULL barrier counts them in.
+        """Start this thread's copies into ring ``stage`` of its row ``r`` of a latent tile, the panels its
+        warpgroup copies (zeros unless ``valid``); the stage's FULL barrier counts them in.
 
         The ``ROW_THREADS`` threads of a row take alternate 16-byte chunks (``lane`` the first),
         so that together they read whole sectors; a chunk's place in the swizzled panel row
@@ -190,16 +200,16 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         from the thread's first in the latent row."""
         nbytes = 16 if valid else 0
         page = min(max(page, 0), ckv.shape[0] - 1)
-        first_panel = group * OWN_PANELS
+        first_panel = 0 if SHARED else group * OWN_PANELS
         tile_row = Q_ROWS + stage * TILE_ROWS + r  # the row in the tile's first panel
         row0 = tile_row + first_panel * BLOCK_N
         ckv_row = global_address(ckv, (page, position, 64 * first_panel + 8 * lane))
         rope_row = global_address(kpe, (page, position, 8 * lane))
         for k in range(PANEL_COPIES):
             col = ((lane + ROW_THREADS * k) ^ (r & 7)) * 8  # within the panel
-            for p in range(OWN_PANELS):
+            for p in range(COPY_PANELS):
                 cp_async_16_at(view, row0 + p * BLOCK_N, col, ckv_row + ELEM * (64 * p + 8 * ROW_THREADS * k), nbytes)
-            if group == 0:
+            if SHARED or group == 0:
                 for p in range(ROPE_PANELS):
                     if ROPE_CHUNKS % 8 == 0 or 8 * p + lane + ROW_THREADS * k < ROPE_CHUNKS:
                         cp_async_16_at(view, tile_row + (R // 64 + p) * BLOCK_N, col,
@@ -343,20 +353,26 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     @cuda.jit(device=True, inline="always")
     def load_q_async(view, bars, q_nope, q_pe, b, head0, heads):
         """Start the copies of the Q tile, ``[q_nope | q_pe]`` of heads ``head0 ..`` (zeros past the last
-        head) by the first ``Q_THREADS`` threads; Q_FULL counts them in. The persistent kernel copies only
-        the rows of existing heads (a row past them keeps whatever the tile held, which reaches only its
-        own scores and output row, never stored): a trip count known at run time keeps the compiler from unrolling
-        the loop and holding every copy's addresses across the item loop."""
+        head) by the first ``Q_THREADS`` threads, eight to a row, each taking the same 16-byte chunk of every
+        panel; Q_FULL counts them in. The persistent kernel copies only the rows of existing heads (a row
+        past them keeps whatever the tile held, which reaches only its own scores and output row, never
+        stored): a trip count known at run time keeps the compiler from unrolling the loop and holding
+        every copy's addresses across the item loop."""
         rows = min(HEADS_PER_BLOCK, heads - head0) if PERSISTENT else HEADS_PER_BLOCK
-        for idx in range(cuda.threadIdx.x, rows * CHUNKS, Q_THREADS):
-            r, c = idx // CHUNKS, idx % CHUNKS
+        lane = cuda.threadIdx.x % 8
+        for r in range(cuda.threadIdx.x // 8, rows, Q_ROWS_PER_PASS):
             valid = head0 + r < heads
             h = head0 + r if valid else 0
-            row, col = sw128_cell(0, HEADS_PER_BLOCK, r, 8 * c)
-            if c < NOPE_CHUNKS:
-                cp_async_16(view, row, col, q_nope, (b, h, 8 * c), 16 if valid else 0)
-            else:
-                cp_async_16(view, row, col, q_pe, (b, h, 8 * (c - NOPE_CHUNKS)), 16 if valid else 0)
+            nbytes = 16 if valid else 0
+            col = (lane ^ (r & 7)) * 8
+            nope_row = global_address(q_nope, (b, h, 8 * lane))
+            for p in range(R // 64):
+                cp_async_16_at(view, p * HEADS_PER_BLOCK + r, col, nope_row + ELEM * 64 * p, nbytes)
+            if P > 0:
+                pe_row = global_address(q_pe, (b, h, 8 * lane))
+                for p in range(ROPE_PANELS):
+                    if ROPE_CHUNKS % 8 == 0 or 8 * p + lane < ROPE_CHUNKS:
+                        cp_async_16_at(view, (R // 64 + p) * HEADS_PER_BLOCK + r, col, pe_row + ELEM * 64 * p, nbytes)
         cp_async_mbarrier_arrive(bars, Q_FULL)
 
     @cuda.jit(device=True, inline="always")
@@ -389,19 +405,21 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 issue_scores(s, smem, start, stage)
                 if not SHARED:
                     barrier_arrive(TURN + other, THREADS)
-                # refill the stage of the tile before with the stream's next: this warpgroup's panels are
-                # free once its P V of that tile is complete and the tile's scores (the other's, when
-                # duplicated) are
-                more = stream_more(stream, j + STAGES - 1)
-                if j > 0:
-                    wgmma_wait(1)
-                    fence_registers(acc, O_REGS)
-                    if more and not SHARED:
-                        wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
-                if more:
-                    stream = copy_next(view, bars, ckv, kpe, prev_stage, stream, page_table, seqlens, items, walk,
-                                       group, my_row, my_lane)
+                if not SHARED:
+                    # refill the stage of the tile before with the stream's next: this warpgroup's panels of
+                    # it are free once its P V of it is complete and the other's scores of it are done
+                    more = stream_more(stream, j + STAGES - 1)
+                    if j > 0:
+                        wgmma_wait(1)
+                        fence_registers(acc, O_REGS)
+                        if more:
+                            wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
+                    if more:
+                        stream = copy_next(view, bars, ckv, kpe, prev_stage, stream, page_table, seqlens, items,
+                                           walk, group, my_row, my_lane)
                 wgmma_wait(0)
+                if SHARED:
+                    fence_registers(acc, O_REGS)
                 fence_registers(s, S_REGS)
                 if not SHARED:
                     mbarrier_arrive(bars, SCORED + STAGES * group + stage)
@@ -438,9 +456,11 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 wgmma_wait(0)
                 fence_registers(acc, O_REGS)
                 mbarrier_arrive(bars, P_FREE)
-                if stream_more(stream, j + STAGES):  # this warpgroup's panels of the stage are free
-                    stream = copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group,
-                                       my_row, my_lane)
+                # the tile before is done with: warpgroup 0 completed its products of it before handing over
+                # this P, so its stage takes the stream's next tile
+                if stream_more(stream, j + STAGES - 1):
+                    stream = copy_next(view, bars, ckv, kpe, prev_stage, stream, page_table, seqlens, items, walk,
+                                       group, my_row, my_lane)
             prev_stage, prev_parity = stage, parity
             stage += 1
             if stage == STAGES:
@@ -551,7 +571,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
 
         if tid == 0:
             for stage in range(STAGES):
-                mbarrier_init(bars, FULL + stage, THREADS)
+                mbarrier_init(bars, FULL + stage, COPIERS)
                 if not SHARED:
                     for w in range(GROUPS):
                         mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
@@ -562,16 +582,14 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             if PERSISTENT:
                 mbarrier_init(bars, STATS_READY, 128)
         cuda.syncthreads()
-        # tiles loaded before the loop: warpgroup 1 of the shared schedule fills every stage, as it
-        # refills a stage after its P V; the others fill all but one, refilled before their P V
-        prologue = STAGES if SHARED and group == 1 else STAGES - 1
-        if stream[3] > 0:  # the Q tile of the stream's first item, then its first tiles
+        if stream[3] > 0:  # the Q tile of the stream's first item, then its first tiles but one
             if tid < Q_THREADS:
                 load_q_async(view, bars, q_nope, q_pe, stream[0], stream[1] * HEADS_PER_BLOCK, heads)
-            for j in range(prologue):  # each thread's next page is looked up a tile ahead
-                if stream_more(stream, j):
-                    stream = copy_next(view, bars, ckv, kpe, j, stream, page_table, seqlens, items, walk, group,
-                                       my_row, my_lane)
+            if not SHARED or group == 1:
+                for j in range(STAGES - 1):  # each thread's next page is looked up a tile ahead
+                    if stream_more(stream, j):
+                        stream = copy_next(view, bars, ckv, kpe, j, stream, page_table, seqlens, items, walk, group,
+                                           my_row, my_lane)
             if not SHARED and group == GROUPS - 1:
                 barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
