@@ -1,5 +1,6 @@
 """The kernel graph and its superoptimizer: graph API, matching, verification, search, cache."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -309,8 +310,8 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
 
 
 def test_mla_tuning_candidates_hold_the_default(rng):
-    """Tuning mla_decode considers the default: on sm_90 (the simulator's) with at most 32 heads that is
-    the persistent grid, a candidate without key splits only; with 64 heads the ordinary grid's space."""
+    """Tuning mla_decode also tries the default's persistent grid (on sm_90, the simulator's), without key
+    splits only, at any head count; the other candidates with the split counts."""
     from numattn.kernels.mla import mla_default_config
     from numattn.search.functional import _mla_candidates
 
@@ -321,10 +322,9 @@ def test_mla_tuning_candidates_hold_the_default(rng):
         args = (halves(8, heads, 128), halves(8, heads, 16), halves(64, 16, 128), halves(64, 16, 16),
                 rng.permutation(64).astype(np.int32).reshape(8, 8), np.full(8, 128, np.int32))
         _, problem, candidates, _ = _mla_candidates(*args, scale=0.1)
-        default = mla_default_config(128, 16, (9, 0), heads)
+        default = mla_default_config(128, 16, (9, 0))
         persistent = [(config, splits) for config, splits, _ in candidates if config.persistent]
-        assert default.persistent == (heads == 32)
-        assert persistent == ([(default, 1)] if heads == 32 else [])
+        assert persistent == [(dataclasses.replace(default, persistent=True), 1)]
         assert {splits for config, splits, _ in candidates if not config.persistent} >= {1, 2}
 
 

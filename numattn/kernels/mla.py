@@ -163,24 +163,21 @@ def mla_candidates(rank, rope, cc):
 
 
 # the measured best on an H100 (docs/benchmarks.md#mla-decode): warpgroup 0 computes the scores and
-# hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight)
+# hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight), on the ordinary grid
 _SM90_MEASURED = MlaConfig(32, 4, 8, "shared", True)
-# its persistent grid, the faster one where the 64-row head chunk is at most half full (16 and 32 heads)
-_SM90_PERSISTENT = MlaConfig(32, 4, 8, "shared", True, persistent=True)
 
 
-def mla_default_config(rank, rope, cc, heads=None):
+def mla_default_config(rank, rope, cc):
     """The choice among ``mla_candidates``. On sm_90: the wgmma kernel's measured best (``block_n`` 32,
-    4 stages, shared scores; on the persistent grid for ``heads`` up to 32) where it fits, else the
-    largest tiles, shared scores, then the most stages. Elsewhere: the most latent bytes in flight per
-    SM (two blocks per SM where they fit), then sharded scores, then fewer warps."""
+    4 stages, shared scores, ordinary grid) where it fits, else the largest tiles, shared scores, then
+    the most stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM where they
+    fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
     if _SM90_MEASURED in candidates:
-        half_chunk = heads is not None and 2 * heads <= _SM90_MEASURED.heads_per_block
-        return _SM90_PERSISTENT if half_chunk else _SM90_MEASURED
+        return _SM90_MEASURED
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))

@@ -23,7 +23,7 @@ columns each, 128 registers per thread at ``R`` = 512); both need the whole
 
 A persistent variant of the shared schedule (one block per SM taking the
 (sequence, 64-head chunk) items in turn) hides each item's start and drain
-behind its neighbours: every thread's copy stream runs on from an item's last
+behind its neighbours: each copying thread's stream runs on from an item's last
 tile into the next item's first, warpgroup 0 loads the next item's Q tile as
 soon as its last score product of the item is done, and the output rows go
 out from registers (the Q tile is no longer free to stage them). Warpgroup 0
@@ -32,8 +32,8 @@ warpgroup 1 has taken the item's last P, so that neither runs a phase ahead.
 
 In the shared schedule warpgroup 1 copies whole latent tiles: warpgroup 0,
 which computes the scores, the softmax and half of ``P V``, is the one whose
-work bounds a tile's time, and copies cost it as much as its products (they
-wait in the same load/store queue as everyone's). Warpgroup 1 refills the
+work bounds a tile's time (on an H100 its copies took a third of it; see
+docs/benchmarks.md). Warpgroup 1 refills the
 stage of tile j - 1 once it has P of tile j, since warpgroup 0 completed its
 products of tile j - 1 before handing P over. In the duplicated schedule each
 warpgroup copies the panels it reads for ``P V`` (warpgroup 0 also the

@@ -7,6 +7,7 @@ cache; those functions consult the cache (``tuned_config``) when they plan a cal
 they have not seen, and fall back to their heuristic without an entry.
 """
 
+import dataclasses
 import hashlib
 import os
 import sys
@@ -190,9 +191,9 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
     configs = mla_candidates(p.rank, p.rope, limits["cc"])
     if SIMULATOR:  # the configurations that simulate in seconds
         configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
-    default = mla_default_config(p.rank, p.rope, limits["cc"], p.heads)
-    if default.persistent:  # the default's persistent grid, which runs unsplit (split, it is the ordinary kernel)
-        configs = [*configs, default]
+    default = mla_default_config(p.rank, p.rope, limits["cc"])
+    if default.wgmma and default.qk == "shared":  # also its persistent grid, unsplit (split, it is the ordinary one)
+        configs = [*configs, dataclasses.replace(default, persistent=True)]
     candidates = []
     for config in configs:
         work = p.batch * -(-p.heads // config.heads_per_block)
