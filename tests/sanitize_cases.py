@@ -43,6 +43,7 @@ MLA_CASES = [  # dtype, batch, heads, rank, rope, max_seqlen, page_size, configu
     ("bfloat16", 2, 20, 512, 64, 300, 1, "64-row"),  # the wgmma kernel with 64-row tiles in two stages
     ("bfloat16", 2, 16, 512, 0, 150, 3, "mma"),  # the mma.sync kernel
     ("bfloat16", 300, 80, 512, 64, 150, 16, "persistent"),  # 600 (sequence, head chunk) items, one block per SM
+    ("float16", 200, 40, 512, 64, 150, 16, "ordinary"),  # unsplit: output rows staged in the Q tile
 ]
 
 
@@ -51,7 +52,8 @@ def run_mla_cases(rng):
     from numattn.ops import mla as module
 
     configs = {"duplicated": MlaConfig(32, 3, 8, "duplicated", True), "64-row": MlaConfig(64, 2, 8, "duplicated", True),
-               "mma": MlaConfig(16, 4, 8, "sharded"), "persistent": MlaConfig(32, 4, 8, "shared", True, True)}
+               "mma": MlaConfig(16, 4, 8, "sharded"), "persistent": MlaConfig(32, 4, 8, "shared", True, True),
+               "ordinary": MlaConfig(32, 4, 8, "shared", True)}
     for dtype, b, h, rank, rope, length, page_size, name in MLA_CASES:
         tdtype = getattr(torch, dtype)
         pages = -(-length // page_size)
@@ -63,7 +65,7 @@ def run_mla_cases(rng):
         if name is None:
             o = numattn.mla_decode(*args, scale=0.1)
         else:
-            splits = 1 if name == "persistent" else 2
+            splits = 1 if name in ("persistent", "ordinary") else 2
             o = module._TorchPlan(module._validate(*args, 0.1, False), configs[name], splits)(*args)
         err = np.abs(o.double().cpu().numpy() - reference.mla_decode(*args, scale=0.1)).max()
         where = f"heads={h} rank={rank} rope={rope} page_size={page_size}"

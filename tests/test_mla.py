@@ -141,6 +141,9 @@ def test_mla_configurations_fit_each_architecture(rank, rope, cc):
     assert any(c.wgmma for c in candidates) == (cc == (9, 0))
     assert mla_default_config(rank, rope, cc).wgmma == (cc == (9, 0))
     assert not mla_default_config(rank, rope, cc).persistent  # the persistent grid is a tuning candidate
+    # given at most 16 heads, the sm_90 default runs the persistent grid (measured faster there)
+    assert mla_default_config(rank, rope, cc, heads=16).persistent == (cc == (9, 0))
+    assert not mla_default_config(rank, rope, cc, heads=32).persistent
 
 
 def test_mla_bad_input_errors(rng):
@@ -215,6 +218,11 @@ def test_mla_persistent_kernel_on_gpu(rng):
             o, lse = plan(*args)
             assert max_error(o, ref_o) <= ATOL["bfloat16"]
             _assert_lse_matches(lse, ref_lse, 1e-3)
+    # with 16 heads the public call's default runs the persistent grid
+    args = _inputs(rng, 300, 16, 512, 64, 1, 160, "float16", library="torch", device="cuda")
+    plan = module._TorchPlan(module._validate(*args, 0.07, False))
+    assert plan.config.persistent and len(plan.grid) == 1
+    assert max_error(numattn.mla_decode(*args, scale=0.07), reference.mla_decode(*args, scale=0.07)) <= ATOL["float16"]
 
 
 @pytest.mark.gpu

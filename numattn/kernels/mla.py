@@ -23,7 +23,7 @@ GPU architecture's shared memory and registers.
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import float32, int32, uint16
@@ -163,21 +163,25 @@ def mla_candidates(rank, rope, cc):
 
 
 # the measured best on an H100 (docs/benchmarks.md#mla-decode): warpgroup 0 computes the scores and
-# hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight), on the ordinary grid
+# hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight), on the ordinary grid;
+# with at most 16 heads on the persistent grid
 _SM90_MEASURED = MlaConfig(32, 4, 8, "shared", True)
+PERSISTENT_MAX_HEADS = 16
 
 
-def mla_default_config(rank, rope, cc):
-    """The choice among ``mla_candidates``. On sm_90: the wgmma kernel's measured best (``block_n`` 32,
-    4 stages, shared scores, ordinary grid) where it fits, else the largest tiles, shared scores, then
-    the most stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM where they
-    fit), then sharded scores, then fewer warps."""
+def mla_default_config(rank, rope, cc, heads=None):
+    """The choice among ``mla_candidates`` (for ``heads`` query heads, when given). On sm_90: the wgmma
+    kernel's measured best (``block_n`` 32, 4 stages, shared scores; on the persistent grid for at most
+    ``PERSISTENT_MAX_HEADS`` heads, else the ordinary grid) where it fits, else the largest tiles, shared
+    scores, then the most stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM
+    where they fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
     if _SM90_MEASURED in candidates:
-        return _SM90_MEASURED
+        few_heads = heads is not None and heads <= PERSISTENT_MAX_HEADS
+        return replace(_SM90_MEASURED, persistent=True) if few_heads else _SM90_MEASURED
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))

@@ -84,7 +84,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from .tiles import sw128_cell, tile_view
+from .tiles import tile_view
 
 HEADS_PER_BLOCK = 64  # one m64 product
 ELEM = 2  # bytes per element: the kernel takes 16-bit floats
@@ -132,6 +132,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     NTILES, DTILES = BLOCK_N // 8, COLS // 8
     S_REGS, O_REGS = BLOCK_N // 2, COLS // 2
     NOPE_CHUNKS = R // 8  # 16-byte chunks of a latent row's ckv part
+    OUT_ROWS_PER_PASS = THREADS // NOPE_CHUNKS  # output rows copied out at once, a thread to a chunk
     ROW_THREADS = 128 // BLOCK_N  # threads of a warpgroup copying one latent row
     PANEL_COPIES = 8 // ROW_THREADS  # a thread's chunks of a panel of its row
     OWN_PANELS = R // 64 // GROUPS  # the ckv panels a warpgroup multiplies by P
@@ -152,6 +153,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
     Q_READ = 3  # persistent: named barrier of warpgroup 0 once its last scores of an item are done
     SPLIT, WRITE_LSE, PERSISTENT = split, write_lse, persistent
+    STAGED_OUT = not SPLIT and not PERSISTENT  # output rows staged in the Q tile, copied out in 16-byte chunks
     Q_THREADS = 128 if PERSISTENT else THREADS  # threads that load the Q tile (persistent: warpgroup 0)
     # shared: warpgroup 1 copies whole latent tiles; duplicated: each warpgroup the ckv panels it multiplies
     # by P, and warpgroup 0 the kpe columns
@@ -267,8 +269,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             for half in range(2):
                 r = 16 * warp + g + 8 * half
                 for e in range(2):  # fragment entries 2·e + half: columns 16kk + 8e + 2t, + 1
-                    row, col = sw128_cell(P_ROW0, HEADS_PER_BLOCK, r, 16 * kk + 8 * e)
-                    st_shared_b32(view, row, col + 2 * t, p_frag[kk, 2 * e + half])
+                    # sw128_cell of one panel (BLOCK_N <= 64): chunk 2kk + e of row r, swizzled by r % 8 = g
+                    st_shared_b32(view, P_ROW0 + r, ((2 * kk + e) ^ g) * 8 + 2 * t, p_frag[kk, 2 * e + half])
         if rescaled and t == 0:
             for half in range(2):
                 stats[ALPHA + 16 * warp + g + 8 * half] = alpha[half]
@@ -493,7 +495,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if PERSISTENT:
                     mbarrier_arrive(bars, STATS_READY)
             if not PERSISTENT:
-                cuda.syncthreads()
+                cuda.syncthreads()  # also: every product is complete, the Q tile free for the output rows
             if group == 1:
                 if PERSISTENT:
                     wait_phase(bars, STATS_READY, items_done & 1)
@@ -502,7 +504,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                     m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
         if PERSISTENT and n_tiles > 0:
             items_done += 1
-        if not SPLIT and not PERSISTENT:
+        if STAGED_OUT and not SHARED:
             cuda.syncthreads()  # both warpgroups' last products are complete: the Q tile is free
         for half in range(2):
             l_sum = l_row[half]
@@ -522,22 +524,28 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                         pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
                         st_global_b32_at(row_address + ELEM * 8 * dt, pair)
             else:  # the output rows go out through the Q tile, so that each global store is a 16-byte chunk
+                # column 8·dt + 2t of this warpgroup's: panel dt // 8 of its own, chunk dt % 8 swizzled by
+                # r % 8 = g (sw128_cell with the runtime part taken once, no divisions per store)
+                row0 = group * (COLS // 64) * HEADS_PER_BLOCK + r
                 for dt in range(DTILES):
-                    row, col = sw128_cell(0, HEADS_PER_BLOCK, r, group * COLS + 8 * dt)
                     pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
-                    st_shared_b32(view, row, col + 2 * t, pair)
+                    st_shared_b32(view, row0 + dt // 8 * HEADS_PER_BLOCK, ((dt % 8) ^ g) * 8 + 2 * t, pair)
             if h < heads and group == 0 and t == 0:
                 row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 if SPLIT:
                     lse_part[b, h, 0, cuda.blockIdx.x] = row_lse
                 elif WRITE_LSE:
                     lse[b, h] = row_lse * _LN2
-        if not SPLIT and not PERSISTENT:
+        if STAGED_OUT:
             cuda.syncthreads()
-            for idx in range(tid, min(HEADS_PER_BLOCK, heads - head0) * NOPE_CHUNKS, THREADS):
-                r, col_c = idx // NOPE_CHUNKS, 8 * (idx % NOPE_CHUNKS)
-                row, col = sw128_cell(0, HEADS_PER_BLOCK, r, col_c)
-                copy_16_to_global(o, (b, head0 + r, col_c), view, row, col)
+            # each thread copies one 16-byte chunk of every OUT_ROWS_PER_PASS-th row: its place in the
+            # swizzled panel taken once (sw128_cell), the row's swizzle by bit operations
+            if tid < OUT_ROWS_PER_PASS * NOPE_CHUNKS:
+                chunk = tid % NOPE_CHUNKS
+                panel_row0, chunk_in_panel = (chunk >> 3) * HEADS_PER_BLOCK, chunk & 7
+                for r in range(tid // NOPE_CHUNKS, min(HEADS_PER_BLOCK, heads - head0), OUT_ROWS_PER_PASS):
+                    col = (chunk_in_panel ^ (r & 7)) * 8
+                    copy_16_to_global(o, (b, head0 + r, 8 * chunk), view, panel_row0 + r, col)
         return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done)
 
     def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):

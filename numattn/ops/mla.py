@@ -107,7 +107,7 @@ class _Plan:
     def __init__(self, p, config=None, splits=None):
         self.problem = p
         limits = device_limits(0 if p.device is None else p.device)
-        self.config = config or mla_default_config(p.rank, p.rope, limits["cc"])
+        self.config = config or mla_default_config(p.rank, p.rope, limits["cc"], p.heads)
         error = mla_config_error(self.config, p.rank, p.rope, limits["cc"])
         if error:
             raise ValueError(f"MLA configuration {self.config}: {error}")
