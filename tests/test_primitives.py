@@ -191,8 +191,9 @@ def test_ldmatrix_mma_fragments(rng, bf16, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_stmatrix_trans_inverts_the_fragment_layout(rng, where):
-    """ldmatrix fragments stored back with stmatrix .trans, each 8×8 block addressed at its mirror: Aᵀ."""
+def test_stmatrix_inverts_the_fragment_layout(rng, where):
+    """ldmatrix fragments stored back with stmatrix .trans, each 8×8 block addressed at its mirror: Aᵀ;
+    with plain stmatrix, each block at its own place: A."""
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     if where == "gpu" and torch.cuda.get_device_capability() < (9, 0):
@@ -201,9 +202,10 @@ def test_stmatrix_trans_inverts_the_fragment_layout(rng, where):
     from warp_kernels import SHARED_BYTES, transpose_kernel
 
     a = rng.integers(0, 1 << 16, size=(16, 16), dtype=np.uint16)
-    out = cuda.to_device(np.zeros((16, 16), np.uint16))
-    transpose_kernel[1, 32, 0, SHARED_BYTES](cuda.to_device(a), out)
+    out, copy = (cuda.to_device(np.zeros((16, 16), np.uint16)) for _ in range(2))
+    transpose_kernel[1, 32, 0, SHARED_BYTES](cuda.to_device(a), out, copy)
     np.testing.assert_array_equal(out.copy_to_host(), a.T)
+    np.testing.assert_array_equal(copy.copy_to_host(), a)
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])

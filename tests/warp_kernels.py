@@ -34,6 +34,7 @@ from numattn.kernels.ptx import (
     shfl_xor_f32,
     st_global_b32_at,
     st_shared_b32,
+    stmatrix_x4,
     stmatrix_x4_trans,
     unpack_bf16x2,
     unpack_f16x2,
@@ -96,11 +97,13 @@ def make_mma_kernel(bf16):
 
 
 @cuda.jit
-def transpose_kernel(a, out):
-    """``out = aᵀ`` for a 16×16 b16 tile: ldmatrix into the mma fragment layout, stmatrix .trans back out."""
+def transpose_kernel(a, out, copy):
+    """``out = aᵀ`` and ``copy = a`` for a 16×16 b16 tile: ldmatrix into the mma fragment layout, stmatrix
+    .trans and plain stmatrix back out."""
     smem = cuda.shared.array(0, uint16)
     a_s = tile_view(smem, 0, 16, ROW)
     t_s = tile_view(smem, 16 * ROW, 16, ROW)
+    c_s = tile_view(smem, 32 * ROW, 16, ROW)
     lane = cuda.threadIdx.x
     row, half = lane // 2, (lane % 2) * 8
     cp_async_16(a_s, row, half, a, (row, half), 16)
@@ -110,10 +113,12 @@ def transpose_kernel(a, out):
     m = lane // 8
     a0, a1, a2, a3 = ldmatrix_x4(a_s, lane % 8 + 8 * (m % 2), 8 * (m // 2))  # blocks (0,0) (1,0) (0,1) (1,1)
     stmatrix_x4_trans(t_s, lane % 8 + 8 * (m // 2), 8 * (m % 2), a0, a1, a2, a3)  # block (r,c) to (c,r), transposed
+    stmatrix_x4(c_s, lane % 8 + 8 * (m % 2), 8 * (m // 2), a0, a1, a2, a3)  # each block back in its place
     cuda.syncthreads()
     if lane < 16:
         for c in range(16):
             out[lane, c] = t_s[lane, c]
+            copy[lane, c] = c_s[lane, c]
 
 
 @cuda.jit

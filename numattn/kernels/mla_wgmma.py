@@ -73,6 +73,7 @@ from .ptx import (
     pack_f16x2,
     st_global_b32_at,
     st_shared_b32,
+    stmatrix_x4,
     wgmma_commit,
     wgmma_fence,
     wgmma_rs_bf16,
@@ -523,13 +524,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                     for dt in range(DTILES):
                         pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
                         st_global_b32_at(row_address + ELEM * 8 * dt, pair)
-            else:  # the output rows go out through the Q tile, so that each global store is a 16-byte chunk
-                # column 8·dt + 2t of this warpgroup's: panel dt // 8 of its own, chunk dt % 8 swizzled by
-                # r % 8 = g (sw128_cell with the runtime part taken once, no divisions per store)
-                row0 = group * (COLS // 64) * HEADS_PER_BLOCK + r
-                for dt in range(DTILES):
-                    pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
-                    st_shared_b32(view, row0 + dt // 8 * HEADS_PER_BLOCK, ((dt % 8) ^ g) * 8 + 2 * t, pair)
             if h < heads and group == 0 and t == 0:
                 row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 if SPLIT:
@@ -537,6 +531,21 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 elif WRITE_LSE:
                     lse[b, h] = row_lse * _LN2
         if STAGED_OUT:
+            # the output rows go out through the Q tile, so that each global store is a 16-byte chunk; stmatrix
+            # stores columns 8·dt .. 8·dt + 15 of the warp's 16 rows at once: matrix m (this lane's row
+            # addresses when m = lane // 8) holds rows 8·(m % 2) .., columns 8·(dt + m // 2) .., in panel
+            # dt // 8 of the warpgroup's and at chunk (dt + m // 2) % 8 swizzled by the row's r % 8 = lane % 8
+            lane, m = tid % 32, (tid % 32) // 8
+            inv0 = _ONE / l_row[0] if l_row[0] > _ZERO else _ZERO  # rows g and g + 8 of the warp
+            inv1 = _ONE / l_row[1] if l_row[1] > _ZERO else _ZERO
+            row0 = (group * (COLS // 64)) * HEADS_PER_BLOCK + 16 * (warp % 4) + lane % 8 + 8 * (m % 2)
+            for dp in range(DTILES // 2):
+                dt = 2 * dp
+                stmatrix_x4(view, row0 + dt // 8 * HEADS_PER_BLOCK, ((dt % 8 + m // 2) ^ (lane % 8)) * 8,
+                            pack(acc[0, dt, 0] * inv0, acc[0, dt, 1] * inv0),
+                            pack(acc[0, dt, 2] * inv1, acc[0, dt, 3] * inv1),
+                            pack(acc[0, dt + 1, 0] * inv0, acc[0, dt + 1, 1] * inv0),
+                            pack(acc[0, dt + 1, 2] * inv1, acc[0, dt + 1, 3] * inv1))
             cuda.syncthreads()
             # each thread copies one 16-byte chunk of every OUT_ROWS_PER_PASS-th row: its place in the
             # swizzled panel taken once (sw128_cell), the row's swizzle by bit operations

@@ -577,6 +577,24 @@ _bind(ldmatrix_x4, _ldmatrix_lowering(""))
 _bind(ldmatrix_x4_trans, _ldmatrix_lowering(".trans"))
 
 
+def stmatrix_x4(tile, row, col, r0, r1, r2, r3):
+    """``stmatrix_x4(tile, row, col, r0, r1, r2, r3)``: store four 8×8 b16 matrices.
+
+    The inverse of ``ldmatrix_x4``: ``ri`` holds this lane's entries of matrix
+    i in the mma fragment layout (row ``lane // 4``, columns ``2 (lane % 4)``
+    and + 1); row j of matrix i is stored as the 8 elements from
+    ``tile[row, col]`` of lane ``8 i + j``. ``tile`` is a 2-D uint16
+    shared-memory array. Emits ``stmatrix.sync.aligned.m8n8.x4.shared.b16`` (sm_90).
+    """
+    lanes = _warp_gather((tile, row, col))
+    g, t = divmod(_lane(), 4)
+    for i, reg in enumerate((r0, r1, r2, r3)):
+        dst, r, c = lanes[8 * i + g]
+        for half in range(2):
+            dst[r, c + 2 * t + half] = (int(reg) >> (16 * half)) & 0xFFFF
+    _warp_gather(None)  # every lane's stores are done before any lane goes on
+
+
 def stmatrix_x4_trans(tile, row, col, r0, r1, r2, r3):
     """``stmatrix_x4_trans(tile, row, col, r0, r1, r2, r3)``: store four 8×8 b16 matrices, each transposed.
 
@@ -596,22 +614,28 @@ def stmatrix_x4_trans(tile, row, col, r0, r1, r2, r3):
     _warp_gather(None)  # every lane's stores are done before any lane goes on
 
 
-@intrinsic
-def _stmatrix_x4_trans(typingctx, tile, row, col, r0, r1, r2, r3):
-    if not (isinstance(tile, types.Array) and tile.ndim == 2 and tile.dtype == types.uint16):
-        return None
-    text = "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1,$2,$3,$4};"
+def _stmatrix_lowering(variant):
+    """The intrinsic of ``stmatrix.sync.aligned.m8n8.x4{variant}.shared.b16``."""
+    text = f"stmatrix.sync.aligned.m8n8.x4{variant}.shared.b16 [$0], {{$1,$2,$3,$4}};"
 
-    def codegen(context, builder, sig, args):
-        address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:3], sig.args[1:3]))
-        regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
-        _asm(builder, text, "r,r,r,r,r,~{memory}", ir.VoidType(), [address, *regs], side_effect=True)
-        return context.get_dummy_value()
+    @intrinsic
+    def lowering(typingctx, tile, row, col, r0, r1, r2, r3):
+        if not (isinstance(tile, types.Array) and tile.ndim == 2 and tile.dtype == types.uint16):
+            return None
 
-    return types.none(tile, row, col, r0, r1, r2, r3), codegen
+        def codegen(context, builder, sig, args):
+            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:3], sig.args[1:3]))
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
+            _asm(builder, text, "r,r,r,r,r,~{memory}", ir.VoidType(), [address, *regs], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.none(tile, row, col, r0, r1, r2, r3), codegen
+
+    return lowering
 
 
-_bind(stmatrix_x4_trans, _stmatrix_x4_trans)
+_bind(stmatrix_x4, _stmatrix_lowering(""))
+_bind(stmatrix_x4_trans, _stmatrix_lowering(".trans"))
 
 
 # --------------------------------------------------------------------------
