@@ -42,7 +42,7 @@ MLA_CASES = [  # dtype, batch, heads, rank, rope, max_seqlen, page_size, configu
     ("float16", 2, 16, 512, 64, 260, 16, "duplicated"),  # the wgmma kernel's other schedule
     ("bfloat16", 2, 20, 512, 64, 300, 1, "64-row"),  # the wgmma kernel with 64-row tiles in two stages
     ("bfloat16", 2, 16, 512, 0, 150, 3, "mma"),  # the mma.sync kernel
-    ("bfloat16", 300, 80, 512, 64, 150, 16, "persistent"),  # 600 (sequence, head chunk) items, one block per SM
+    ("bfloat16", 600, 32, 512, 64, 150, 16, "persistent"),  # 600 sequences, one block per SM, two Q halves
     ("float16", 200, 40, 512, 64, 150, 16, "ordinary"),  # unsplit: output rows staged in the Q tile
 ]
 

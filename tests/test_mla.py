@@ -71,17 +71,18 @@ def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config,
     _assert_lse_matches(lse, ref_lse, 1e-3)
 
 
-@pytest.mark.parametrize("blocks, heads, page_size", [(1, 20, 3), (2, 70, 5)])
+@pytest.mark.parametrize("blocks, heads, page_size", [(1, 20, 3), (2, 32, 5)])
 def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size):
-    """The persistent wgmma kernel on ``blocks`` blocks: one block taking every (sequence, head chunk)
-    item, or two taking alternate items of two head chunks each; empty sequences first, between and
-    last, so that the copy stream and the next Q skip items; pages not dividing a tile; items of one
-    tile and of seven."""
+    """The persistent wgmma kernel on ``blocks`` blocks: one block taking every sequence, or two taking
+    alternate ones; empty sequences first, between and last, so that the copy stream and the Q loads
+    skip items and the Q halves alternate over items with keys only; pages not dividing a tile; items of
+    one tile and of seven."""
     pages = 200 // page_size
     args = _inputs(rng, 6, heads, 128, 16, page_size, pages, "bfloat16")
     args[5][:] = (0, args[5][1], 0, pages * page_size, 7, 0)  # 7: one tile, part of it
     p = module._validate(*args, 0.11, True)
     plan = module._HostPlan(p, MlaConfig(32, 2, 8, "shared", True, True), 1)
+    assert plan.persistent
     plan.grid = (blocks,)
     o, lse = plan(*args)
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.11, return_lse=True)
@@ -90,13 +91,17 @@ def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size
 
 
 def test_mla_persistent_grid_and_fallback():
-    """A persistent configuration plans a 1-D grid of at most one block per item and per SM slot; with
-    key splits it runs the ordinary kernel; only the wgmma shared schedule may be persistent."""
-    args = _inputs(np.random.default_rng(1), 3, 70, 128, 16, 4, 4, "float16")
-    p = module._validate(*args, 0.1, False)
+    """A persistent configuration plans a 1-D grid of at most one block per sequence and per SM slot;
+    with key splits or more than 32 heads it runs the ordinary kernel; only the wgmma shared schedule
+    may be persistent."""
     config = MlaConfig(32, 2, 8, "shared", True, True)
-    assert module._HostPlan(p, config, 1).grid == (min(6, 2),)  # 6 items, the simulator's one SM holds 2 blocks
-    assert module._HostPlan(p, config, 3).grid == (3, 2, 3)
+    for batch, expected in ((1, (1,)), (3, (2,))):  # the simulator's one SM holds 2 blocks
+        args = _inputs(np.random.default_rng(1), batch, 32, 128, 16, 4, 4, "float16")
+        assert module._HostPlan(module._validate(*args, 0.1, False), config, 1).grid == expected
+    args = _inputs(np.random.default_rng(1), 3, 33, 128, 16, 4, 4, "float16")
+    p = module._validate(*args, 0.1, False)
+    assert module._HostPlan(p, config, 1).grid == (1, 1, 3) and not module._HostPlan(p, config, 1).persistent
+    assert module._HostPlan(p, config, 3).grid == (3, 1, 3)
     with pytest.raises(ValueError, match="persistent"):
         module._HostPlan(p, MlaConfig(32, 2, 8, "duplicated", True, True), 1)
 
@@ -141,9 +146,9 @@ def test_mla_configurations_fit_each_architecture(rank, rope, cc):
     assert any(c.wgmma for c in candidates) == (cc == (9, 0))
     assert mla_default_config(rank, rope, cc).wgmma == (cc == (9, 0))
     assert not mla_default_config(rank, rope, cc).persistent  # the persistent grid is a tuning candidate
-    # given at most 16 heads, the sm_90 default runs the persistent grid (measured faster there)
-    assert mla_default_config(rank, rope, cc, heads=16).persistent == (cc == (9, 0))
-    assert not mla_default_config(rank, rope, cc, heads=32).persistent
+    # given at most 32 heads, the sm_90 default runs the persistent grid (measured faster there)
+    assert mla_default_config(rank, rope, cc, heads=32).persistent == (cc == (9, 0))
+    assert not mla_default_config(rank, rope, cc, heads=33).persistent
 
 
 def test_mla_bad_input_errors(rng):
@@ -203,16 +208,16 @@ def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):
 
 @pytest.mark.gpu
 def test_mla_persistent_kernel_on_gpu(rng):
-    """The persistent wgmma kernel at DeepSeek's sizes with more items than blocks: 300 sequences of 80
-    heads (600 items over one block per SM), random lengths with empty sequences, pages of 16 and of 1."""
+    """The persistent wgmma kernel at DeepSeek's sizes with more sequences than blocks: 600 sequences of
+    32 heads over one block per SM, random lengths with empty sequences, pages of 16 and of 1."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel needs sm_90")
     for page_size in (16, 1):
-        args = _inputs(rng, 300, 80, 512, 64, page_size, 160 // page_size, "bfloat16", library="torch", device="cuda")
+        args = _inputs(rng, 600, 32, 512, 64, page_size, 160 // page_size, "bfloat16", library="torch", device="cuda")
         args[5][7::41] = 0
         p = module._validate(*args, 0.07, True)
         plan = module._TorchPlan(p, MlaConfig(32, 4, 8, "shared", True, True), 1)
-        assert len(plan.grid) == 1 and plan.grid[0] < 600
+        assert plan.persistent and len(plan.grid) == 1 and plan.grid[0] < 600
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
         for _ in range(2):
             o, lse = plan(*args)

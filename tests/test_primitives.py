@@ -209,6 +209,23 @@ def test_stmatrix_inverts_the_fragment_layout(rng, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_opaque_passes_integers_on(rng, where):
+    """``opaque`` returns its 32- or 64-bit integer unchanged, in a loop as outside one."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import opaque_kernel
+
+    base = np.array([int(rng.integers(1 << 40, 1 << 50))], np.int64)
+    out32, out64 = np.full((32, 5), -1, np.int32), np.full((32, 5), -1, np.int64)
+    args = [cuda.to_device(x) for x in (base, out32, out64)]
+    opaque_kernel[1, 32](*args)
+    i, k = np.arange(32)[:, None], np.arange(5)[None, :]
+    np.testing.assert_array_equal(args[1].copy_to_host(), i * 3 + k)
+    np.testing.assert_array_equal(args[2].copy_to_host(), base[0] + i * k)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")

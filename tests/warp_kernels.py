@@ -28,6 +28,7 @@ from numattn.kernels.ptx import (
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
+    opaque,
     mma_m16n8k16_f16,
     pack_bf16x2,
     pack_f16x2,
@@ -145,6 +146,15 @@ def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_fille
 
 
 SHARED_BYTES = 48 * ROW * 2
+
+
+@cuda.jit
+def opaque_kernel(base, out32, out64):
+    """``opaque`` of 32- and 64-bit integers inside a loop: ``out32[i, k] = 3i + k``, ``out64[i, k] = base + ik``."""
+    i = cuda.threadIdx.x
+    for k in range(out32.shape[1]):
+        out32[i, k] = opaque(int32(i * 3 + k))
+        out64[i, k] = opaque(int64(base[0]) + i * k)
 
 
 @cuda.jit

@@ -29,7 +29,7 @@ import numpy as np
 from numba import float32, int32, uint16
 
 from .._cuda import cuda
-from .mla_wgmma import HEADS_PER_BLOCK, mla_wgmma_kernel, mla_wgmma_shared_bytes
+from .mla_wgmma import HEADS_PER_BLOCK, PERSISTENT_HEADS, mla_wgmma_kernel, mla_wgmma_shared_bytes
 from .online_softmax import quad_sum, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -66,8 +66,8 @@ class MlaConfig:
     ``cp.async`` ring, ``warps`` warps per block (each owns ``R / warps`` output
     columns), ``qk`` ``"duplicated"`` or ``"sharded"`` (see the module docstring);
     ``wgmma``: the sm_90 kernel of ``mla_wgmma.py`` instead (8 warps; ``qk`` "duplicated" or "shared");
-    ``persistent``: its shared schedule on a grid of one block per SM taking the (sequence, head
-    chunk) items in turn (calls with key splits run the ordinary kernel).
+    ``persistent``: its shared schedule on a grid of one block per SM taking the sequences in turn
+    (calls with key splits or more than ``mla_wgmma.PERSISTENT_HEADS`` heads run the ordinary kernel).
     """
 
     block_n: int
@@ -164,15 +164,14 @@ def mla_candidates(rank, rope, cc):
 
 # the measured best on an H100 (docs/benchmarks.md#mla-decode): warpgroup 0 computes the scores and
 # hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight), on the ordinary grid;
-# with at most 16 heads on the persistent grid
+# with at most 32 heads on the persistent grid
 _SM90_MEASURED = MlaConfig(32, 4, 8, "shared", True)
-PERSISTENT_MAX_HEADS = 16
 
 
 def mla_default_config(rank, rope, cc, heads=None):
     """The choice among ``mla_candidates`` (for ``heads`` query heads, when given). On sm_90: the wgmma
     kernel's measured best (``block_n`` 32, 4 stages, shared scores; on the persistent grid for at most
-    ``PERSISTENT_MAX_HEADS`` heads, else the ordinary grid) where it fits, else the largest tiles, shared
+    ``PERSISTENT_HEADS`` heads, else the ordinary grid) where it fits, else the largest tiles, shared
     scores, then the most stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM
     where they fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
@@ -180,7 +179,7 @@ def mla_default_config(rank, rope, cc, heads=None):
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
     if _SM90_MEASURED in candidates:
-        few_heads = heads is not None and heads <= PERSISTENT_MAX_HEADS
+        few_heads = heads is not None and heads <= PERSISTENT_HEADS
         return replace(_SM90_MEASURED, persistent=True) if few_heads else _SM90_MEASURED
 
     def score(c):

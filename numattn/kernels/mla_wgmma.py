@@ -22,13 +22,16 @@ columns each, 128 registers per thread at ``R`` = 512); both need the whole
   P read). Half the score products and half the shared-memory reads of Q.
 
 A persistent variant of the shared schedule (one block per SM taking the
-(sequence, 64-head chunk) items in turn) hides each item's start and drain
+sequences of at most 32 heads in turn) hides each item's start and drain
 behind its neighbours: each copying thread's stream runs on from an item's last
-tile into the next item's first, warpgroup 0 loads the next item's Q tile as
-soon as its last score product of the item is done, and the output rows go
-out from registers (the Q tile is no longer free to stage them). Warpgroup 0
-hands an item's final row sums to warpgroup 1 through an mbarrier once
-warpgroup 1 has taken the item's last P, so that neither runs a phase ahead.
+tile into the next item's first, and the Q tile holds two items' queries, the
+current item's heads in one half of the 64 rows and the next item's in the
+other (the m64 products read both halves; the other half's rows only make
+scores and outputs that are never stored). An item's output rows are staged in
+its own half, which then takes the queries of the item after next, a whole item
+ahead of their use. Warpgroup 0 hands an item's final row sums to warpgroup 1
+through an mbarrier once warpgroup 1 has taken the item's last P, so that
+neither runs a phase ahead.
 
 In the shared schedule warpgroup 1 copies whole latent tiles: warpgroup 0,
 which computes the scores, the softmax and half of ``P V``, is the one whose
@@ -69,9 +72,9 @@ from .ptx import (
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_try_wait,
+    opaque,
     pack_bf16x2,
     pack_f16x2,
-    st_global_b32_at,
     st_shared_b32,
     stmatrix_x4,
     wgmma_commit,
@@ -88,6 +91,7 @@ from .ptx import (
 from .tiles import tile_view
 
 HEADS_PER_BLOCK = 64  # one m64 product
+PERSISTENT_HEADS = HEADS_PER_BLOCK // 2  # the persistent kernel's heads: one half of the Q tile per item
 ELEM = 2  # bytes per element: the kernel takes 16-bit floats
 GROUPS = 2  # warpgroups, each owning half the output columns
 THREADS = 128 * GROUPS
@@ -121,8 +125,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     ``THREADS`` threads, ``mla_wgmma_shared_bytes`` of dynamic shared memory. ``rank`` a multiple
     of 128 (each warpgroup's columns are whole panels), ``block_n`` a multiple of 16 up to 64,
     ``qk`` "duplicated" or "shared"; ``o`` with contiguous rows starting at 16-byte boundaries.
-    ``persistent`` (shared schedule, no splits): a 1-D grid of any size whose blocks take the
-    (sequence, 64-head chunk) items in turn (see the module docstring)."""
+    ``persistent`` (shared schedule, no splits, at most ``PERSISTENT_HEADS`` heads): a 1-D grid of any
+    size whose blocks take the sequences in turn (see the module docstring)."""
     if persistent and (qk != "shared" or split):
         raise ValueError("the persistent wgmma MLA kernel runs the shared schedule without key splits")
     R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
@@ -132,8 +136,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     COLS = R // GROUPS  # output columns per warpgroup
     NTILES, DTILES = BLOCK_N // 8, COLS // 8
     S_REGS, O_REGS = BLOCK_N // 2, COLS // 2
-    NOPE_CHUNKS = R // 8  # 16-byte chunks of a latent row's ckv part
-    OUT_ROWS_PER_PASS = THREADS // NOPE_CHUNKS  # output rows copied out at once, a thread to a chunk
+    GROUP_CHUNKS = R // 8 // GROUPS  # 16-byte chunks of a warpgroup's output columns in a row
+    OUT_ROWS_PER_PASS = 128 // GROUP_CHUNKS  # output rows a warpgroup copies out at once, a thread to a chunk
     ROW_THREADS = 128 // BLOCK_N  # threads of a warpgroup copying one latent row
     PANEL_COPIES = 8 // ROW_THREADS  # a thread's chunks of a panel of its row
     OWN_PANELS = R // 64 // GROUPS  # the ckv panels a warpgroup multiplies by P
@@ -146,21 +150,24 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     VIEW_ROWS = P_ROW0 + (HEADS_PER_BLOCK if SHARED else 0)
     V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a latent tile
     ALPHA, L_FINAL, M_FINAL, FLAGS = 0, HEADS_PER_BLOCK, 2 * HEADS_PER_BLOCK, 3 * HEADS_PER_BLOCK
-    # mbarriers: FULL + s (stage s loaded), Q_FULL; duplicated: SCORED + STAGES·w + s (warpgroup w's
-    # scores of stage s done); shared: P_READY (warpgroup 0 wrote P), P_FREE (warpgroup 1 read it)
-    # persistent: STATS_READY (warpgroup 0 wrote an item's final row statistics)
-    FULL, Q_FULL, SCORED, P_READY, P_FREE, STATS_READY = 0, STAGES, STAGES + 1, STAGES + 1, STAGES + 2, STAGES + 3
-    BARRIERS = (STAGES + 3 + persistent) if SHARED else 3 * STAGES + 1
+    # mbarriers: FULL + s (stage s loaded), Q_FULL + q (Q half q loaded; one whole tile unless persistent);
+    # duplicated: SCORED + STAGES·w + s (warpgroup w's scores of stage s done); shared: P_READY (warpgroup 0
+    # wrote P), P_FREE (warpgroup 1 read it); persistent: STATS_READY (warpgroup 0 wrote an item's final
+    # row statistics), HALF_FREE (warpgroup 0 copied out its part of an item's output rows)
+    FULL, Q_FULL, SCORED, P_READY, P_FREE = 0, STAGES, STAGES + 2, STAGES + 2, STAGES + 3
+    STATS_READY, HALF_FREE = STAGES + 4, STAGES + 5
+    BARRIERS = STAGES + 6 if SHARED else 3 * STAGES + 2
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
-    Q_READ = 3  # persistent: named barrier of warpgroup 0 once its last scores of an item are done
+    STAGED = 3  # named barriers STAGED + w: warpgroup w's output rows are staged
     SPLIT, WRITE_LSE, PERSISTENT = split, write_lse, persistent
-    STAGED_OUT = not SPLIT and not PERSISTENT  # output rows staged in the Q tile, copied out in 16-byte chunks
-    Q_THREADS = 128 if PERSISTENT else THREADS  # threads that load the Q tile (persistent: warpgroup 0)
+    STAGED_OUT = not SPLIT  # output rows staged in the Q tile, copied out in 16-byte chunks
+    Q_HALF = PERSISTENT_HEADS if PERSISTENT else 0  # rows between the persistent kernel's two Q halves
     # shared: warpgroup 1 copies whole latent tiles; duplicated: each warpgroup the ckv panels it multiplies
     # by P, and warpgroup 0 the kpe columns
     COPY_PANELS = R // 64 if SHARED else OWN_PANELS
     COPIERS = 128 if SHARED else THREADS  # threads whose copies fill a ring stage
-    Q_ROWS_PER_PASS = Q_THREADS // 8  # Q tile rows copied at once, 8 threads per row
+    Q_LOADERS = 128 if PERSISTENT else THREADS  # threads that load Q tiles: persistent, warpgroup 1's
+    Q_ROWS_PER_PASS = Q_LOADERS // 8  # Q tile rows copied at once, 8 threads per row
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     wgmma_ss_desc = wgmma_ss_desc_bf16 if bf16 else wgmma_ss_desc_f16
@@ -292,19 +299,14 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     @cuda.jit(device=True, inline="always")
     def next_item(b, c, items):
         """The item after (sequence ``b``, head chunk ``c``) among a persistent block's: ``items`` is
-        ``(batch, chunks, step_b, step_c, ...)``, the grid's size split into whole sequences and chunks
-        (added with one wrap test, no division)."""
-        _, chunks, step_b, step_c = items[:4]
-        b, c = b + step_b, c + step_c
-        if c >= chunks:
-            b, c = b + 1, c - chunks
-        return b, c
+        ``(batch, grid size, ...)``; its sequences have one head chunk (``c`` stays 0)."""
+        return b + items[1], c
 
     @cuda.jit(device=True, inline="always")
     def with_keys(b, c, seqlens, items):
         """The first of a persistent block's items from (``b``, ``c``) on whose sequence has keys
         (``b`` at or past the batch if none)."""
-        batch, capacity = items[0], items[4]
+        batch, capacity = items[0], items[2]
         while b < batch and min(seqlens[b], capacity) <= 0:
             b, c = next_item(b, c, items)
         return b, c
@@ -317,8 +319,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         b, c = with_keys(b, c, seqlens, items)
         if b >= items[0]:
             return b, c, int64(0), int64(0), int64(0), int64(0), int64(0), int32(0), int64(0)
-        _, end, n_tiles = item_span(b, seqlens, items[4], 0, 1)
-        key, slot, offset = items[5], items[6], items[7]  # this thread's first row of any item
+        _, end, n_tiles = item_span(b, seqlens, items[2], 0, 1)
+        key, slot, offset = items[3], items[4], items[5]  # this thread's first row of any item
         page, position = locate(page_table, b, key, end, slot, offset)
         return b, c, end, n_tiles, key, slot, offset, page, position
 
@@ -354,29 +356,31 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         return issued < stream[3]
 
     @cuda.jit(device=True, inline="always")
-    def load_q_async(view, bars, q_nope, q_pe, b, head0, heads):
+    def load_q_async(view, bars, q_nope, q_pe, b, head0, heads, half):
         """Start the copies of the Q tile, ``[q_nope | q_pe]`` of heads ``head0 ..`` (zeros past the last
-        head) by the first ``Q_THREADS`` threads, eight to a row, each taking the same 16-byte chunk of every
-        panel; Q_FULL counts them in. The persistent kernel copies only the rows of existing heads (a row
-        past them keeps whatever the tile held, which reaches only its own scores and output row, never
-        stored): a trip count known at run time keeps the compiler from unrolling the loop and holding
-        every copy's addresses across the item loop."""
-        rows = min(HEADS_PER_BLOCK, heads - head0) if PERSISTENT else HEADS_PER_BLOCK
+        head) by ``Q_LOADERS`` threads, eight to a row, each taking the same 16-byte chunk of every panel;
+        Q_FULL + ``half`` counts them in. The persistent kernel copies only its heads, into rows
+        ``Q_HALF · half ..`` (the other rows keep whatever they held, which reaches only their own scores
+        and output rows, never stored): a trip count known at run time keeps the compiler from unrolling
+        the loop and holding every copy's addresses across the item loop."""
+        rows = heads if PERSISTENT else HEADS_PER_BLOCK
+        row0 = Q_HALF * half  # a multiple of 8: the rows' swizzle is r's
         lane = cuda.threadIdx.x % 8
-        for r in range(cuda.threadIdx.x // 8, rows, Q_ROWS_PER_PASS):
+        for r in range(cuda.threadIdx.x % Q_LOADERS // 8, rows, Q_ROWS_PER_PASS):
             valid = head0 + r < heads
             h = head0 + r if valid else 0
             nbytes = 16 if valid else 0
             col = (lane ^ (r & 7)) * 8
             nope_row = global_address(q_nope, (b, h, 8 * lane))
             for p in range(R // 64):
-                cp_async_16_at(view, p * HEADS_PER_BLOCK + r, col, nope_row + ELEM * 64 * p, nbytes)
+                cp_async_16_at(view, p * HEADS_PER_BLOCK + row0 + r, col, nope_row + ELEM * 64 * p, nbytes)
             if P > 0:
                 pe_row = global_address(q_pe, (b, h, 8 * lane))
                 for p in range(ROPE_PANELS):
                     if ROPE_CHUNKS % 8 == 0 or 8 * p + lane < ROPE_CHUNKS:
-                        cp_async_16_at(view, (R // 64 + p) * HEADS_PER_BLOCK + r, col, pe_row + ELEM * 64 * p, nbytes)
-        cp_async_mbarrier_arrive(bars, Q_FULL)
+                        cp_async_16_at(view, (R // 64 + p) * HEADS_PER_BLOCK + row0 + r, col,
+                                       pe_row + ELEM * 64 * p, nbytes)
+        cp_async_mbarrier_arrive(bars, Q_FULL + half)
 
     @cuda.jit(device=True, inline="always")
     def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
@@ -384,19 +388,21 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         """One item of a block: sequence ``b``'s keys ``first .. end`` (``n_tiles`` tiles) against head chunk
         ``c``, from the ring as the copy stream fills it (``stream``, refilled as tiles free up) to the output
         rows; ``state`` is the ring and handover position ``(stage, parity, prev_stage, prev_parity, tiles
-        of earlier items, earlier items with keys)``: tile j sits in ring ``stage``, in its ``parity``-th use
-        (mod 2), no runtime divisions. ``arrays`` are the kernel's array arguments, ``regs`` the thread's
-        softmax state, accumulator, scores and row statistics, ``me`` its place in the block. Returns the
-        stream and the state after the item."""
+        of earlier items, earlier items with keys, the last item whose Q was loaded)``: tile j sits in ring
+        ``stage``, in its ``parity``-th use (mod 2), no runtime divisions. ``arrays`` are the kernel's array
+        arguments, ``regs`` the thread's softmax state, accumulator, scores and row statistics, ``me`` its
+        place in the block. Returns the stream and the state after the item."""
         q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part = arrays
         m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
         tid, warp, g, t, group, other, my_row, my_lane = me
-        stage, parity, prev_stage, prev_parity, tiles_done, items_done = state
+        stage, parity, prev_stage, prev_parity, tiles_done, items_done, q_b, q_c = state
         scorer = not SHARED or group == 0
         head0 = c * HEADS_PER_BLOCK
+        q_half = items_done & 1 if PERSISTENT else 0  # persistent: the item's Q half
+        q_row0 = Q_HALF * q_half  # the M row of the item's first head
         init(m_i, l_i, acc)
         if n_tiles > 0 and (scorer or not PERSISTENT):
-            wait_phase(bars, Q_FULL, items_done & 1)
+            wait_phase(bars, Q_FULL + q_half, (items_done >> 1) & 1)
         for j in range(n_tiles):
             if scorer:
                 wait_phase(bars, FULL + stage, parity)
@@ -426,13 +432,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 fence_registers(s, S_REGS)
                 if not SHARED:
                     mbarrier_arrive(bars, SCORED + STAGES * group + stage)
-                if PERSISTENT and j == n_tiles - 1:  # the item's last scores are done: the next item's Q
-                    barrier_sync(Q_READ, 128)
-                    next_b, next_c = next_item(b, c, items)
-                    next_b, next_c = with_keys(next_b, next_c, seqlens, items)
-                    if next_b < items[0]:
-                        load_q_async(view, bars, q_nope, q_pe, next_b, next_c * HEADS_PER_BLOCK, heads)
-
                 n0 = first + j * BLOCK_N
                 scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
                 rescaled = update(s, m_i, l_i, row_max, alpha)
@@ -476,6 +475,10 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 barrier_arrive(TURN + other, THREADS)
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
+        if PERSISTENT:  # the epilogue's addresses taken in each item, not held (or spilled) across the tile loop
+            tid = opaque(tid)
+            warp, g, t = tid // 32, tid % 32 // 4, tid % 4
+            group = warp // 4
 
         # the scorers' row statistics: full sums over the lane quad (handed to warpgroup 1 when shared)
         for half in range(2):
@@ -510,52 +513,63 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         for half in range(2):
             l_sum = l_row[half]
             r = 16 * (warp % 4) + g + 8 * half
-            h = head0 + r
+            h = head0 + r - q_row0
+            valid = 0 <= h < heads
             inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
             if SPLIT:
-                if h < heads:
+                if valid:
                     for dt in range(DTILES):
                         for e in range(2):
                             col = group * COLS + 8 * dt + 2 * t + e
                             o_part[b, h, 0, cuda.blockIdx.x, col] = acc[0, dt, 2 * half + e] * inv
-            elif PERSISTENT:  # the Q tile holds the next item's queries: rows go out from registers
-                if h < heads:
-                    row_address = global_address(o, (b, h, group * COLS + 2 * t))
-                    for dt in range(DTILES):
-                        pair = pack(acc[0, dt, 2 * half] * inv, acc[0, dt, 2 * half + 1] * inv)
-                        st_global_b32_at(row_address + ELEM * 8 * dt, pair)
-            if h < heads and group == 0 and t == 0:
+            if valid and group == 0 and t == 0:
                 row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
                 if SPLIT:
                     lse_part[b, h, 0, cuda.blockIdx.x] = row_lse
                 elif WRITE_LSE:
                     lse[b, h] = row_lse * _LN2
-        if STAGED_OUT:
-            # the output rows go out through the Q tile, so that each global store is a 16-byte chunk; stmatrix
-            # stores columns 8·dt .. 8·dt + 15 of the warp's 16 rows at once: matrix m (this lane's row
-            # addresses when m = lane // 8) holds rows 8·(m % 2) .., columns 8·(dt + m // 2) .., in panel
-            # dt // 8 of the warpgroup's and at chunk (dt + m // 2) % 8 swizzled by the row's r % 8 = lane % 8
+        if PERSISTENT and n_tiles == 0:  # no keys: zero rows, stored directly (the Q halves are taken)
+            for i in range(tid, heads * R, THREADS):
+                o[b, i // R, i % R] = uint16(0)
+        elif STAGED_OUT:
+            # the output rows go out through the Q tile (persistent: the item's half, its queries used up), so
+            # that each global store is a 16-byte chunk; stmatrix stores columns 8·dt .. 8·dt + 15 of the
+            # warp's 16 rows at once: matrix m (this lane's row addresses when m = lane // 8) holds rows
+            # 8·(m % 2) .., columns 8·(dt + m // 2) .., in panel dt // 8 of the warpgroup's and at chunk
+            # (dt + m // 2) % 8 swizzled by the row's r % 8 = lane % 8
             lane, m = tid % 32, (tid % 32) // 8
             inv0 = _ONE / l_row[0] if l_row[0] > _ZERO else _ZERO  # rows g and g + 8 of the warp
             inv1 = _ONE / l_row[1] if l_row[1] > _ZERO else _ZERO
             row0 = (group * (COLS // 64)) * HEADS_PER_BLOCK + 16 * (warp % 4) + lane % 8 + 8 * (m % 2)
-            for dp in range(DTILES // 2):
-                dt = 2 * dp
-                stmatrix_x4(view, row0 + dt // 8 * HEADS_PER_BLOCK, ((dt % 8 + m // 2) ^ (lane % 8)) * 8,
-                            pack(acc[0, dt, 0] * inv0, acc[0, dt, 1] * inv0),
-                            pack(acc[0, dt, 2] * inv1, acc[0, dt, 3] * inv1),
-                            pack(acc[0, dt + 1, 0] * inv0, acc[0, dt + 1, 1] * inv0),
-                            pack(acc[0, dt + 1, 2] * inv1, acc[0, dt + 1, 3] * inv1))
-            cuda.syncthreads()
-            # each thread copies one 16-byte chunk of every OUT_ROWS_PER_PASS-th row: its place in the
-            # swizzled panel taken once (sw128_cell), the row's swizzle by bit operations
-            if tid < OUT_ROWS_PER_PASS * NOPE_CHUNKS:
-                chunk = tid % NOPE_CHUNKS
-                panel_row0, chunk_in_panel = (chunk >> 3) * HEADS_PER_BLOCK, chunk & 7
-                for r in range(tid // NOPE_CHUNKS, min(HEADS_PER_BLOCK, heads - head0), OUT_ROWS_PER_PASS):
-                    col = (chunk_in_panel ^ (r & 7)) * 8
-                    copy_16_to_global(o, (b, head0 + r, 8 * chunk), view, panel_row0 + r, col)
-        return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done)
+            if not PERSISTENT or (warp % 4) // 2 == q_half:  # persistent: the warps of the item's half
+                for dp in range(DTILES // 2):
+                    dt = 2 * dp
+                    stmatrix_x4(view, row0 + dt // 8 * HEADS_PER_BLOCK, ((dt % 8 + m // 2) ^ (lane % 8)) * 8,
+                                pack(acc[0, dt, 0] * inv0, acc[0, dt, 1] * inv0),
+                                pack(acc[0, dt, 2] * inv1, acc[0, dt, 3] * inv1),
+                                pack(acc[0, dt + 1, 0] * inv0, acc[0, dt + 1, 1] * inv0),
+                                pack(acc[0, dt + 1, 2] * inv1, acc[0, dt + 1, 3] * inv1))
+            # each warpgroup copies out its own columns once its warps' rows are staged, a thread to one
+            # 16-byte chunk of every OUT_ROWS_PER_PASS-th row: its place in the swizzled panel taken once
+            # (sw128_cell), the row's swizzle by bit operations
+            barrier_sync(STAGED + group, 128)
+            chunk = group * GROUP_CHUNKS + tid % GROUP_CHUNKS
+            panel_row0, chunk_in_panel = (chunk >> 3) * HEADS_PER_BLOCK + q_row0, chunk & 7
+            rows = heads if PERSISTENT else min(HEADS_PER_BLOCK, heads - head0)
+            for r in range((tid % 128) // GROUP_CHUNKS, rows, OUT_ROWS_PER_PASS):
+                col = (chunk_in_panel ^ (r & 7)) * 8
+                copy_16_to_global(o, (b, head0 + r, 8 * chunk), view, panel_row0 + r, col)
+            if PERSISTENT:  # once both warpgroups' rows are out, warpgroup 1 loads the Q of the item after next
+                if group == 0:
+                    mbarrier_arrive(bars, HALF_FREE)
+                else:
+                    q_b, q_c = next_item(q_b, q_c, items)
+                    q_b, q_c = with_keys(q_b, q_c, seqlens, items)
+                    barrier_sync(STAGED + group, 128)
+                    wait_phase(bars, HALF_FREE, (items_done - 1) & 1)
+                    if q_b < items[0]:
+                        load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, q_half)
+        return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done, q_b, q_c)
 
     def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -571,13 +585,11 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         walk = (page_size, BLOCK_N // page_size, BLOCK_N % page_size)  # see next_row
         my_row = (tid % 128) // ROW_THREADS  # the latent row of each tile this thread copies
         my_lane = tid % ROW_THREADS
-        if PERSISTENT:  # items (sequence b, 64-head chunk c) number blockIdx.x, + gridDim.x, ... of B · chunks
-            batch, chunks = seqlens.shape[0], -(-heads // HEADS_PER_BLOCK)
-            step, item = int64(cuda.gridDim.x), int64(cuda.blockIdx.x)
-            items = (batch, chunks, step // chunks, step % chunks, capacity, int64(my_row), my_row // page_size,
-                     my_row % page_size)
-            rounds = -(-(batch * chunks - item) // step)
-            b, c = item // chunks, item % chunks
+        if PERSISTENT:  # the block's sequences b (head chunk c = 0) are blockIdx.x, + gridDim.x, ...
+            batch, step = seqlens.shape[0], int64(cuda.gridDim.x)
+            items = (batch, step, capacity, int64(my_row), my_row // page_size, my_row % page_size)
+            b, c = int64(cuda.blockIdx.x), int64(0)
+            rounds = -(-(batch - b) // step)
             stream = stream_at(b, c, page_table, seqlens, items)
         else:  # the grid position's item and key split
             items = None  # only persistent streams cross items
@@ -592,16 +604,25 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if not SHARED:
                     for w in range(GROUPS):
                         mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
-            mbarrier_init(bars, Q_FULL, Q_THREADS)
+            mbarrier_init(bars, Q_FULL, Q_LOADERS)
+            mbarrier_init(bars, Q_FULL + 1, Q_LOADERS)
             if SHARED:
                 mbarrier_init(bars, P_READY, 128)
                 mbarrier_init(bars, P_FREE, 128)
             if PERSISTENT:
                 mbarrier_init(bars, STATS_READY, 128)
+                mbarrier_init(bars, HALF_FREE, 128)
         cuda.syncthreads()
-        if stream[3] > 0:  # the Q tile of the stream's first item, then its first tiles but one
-            if tid < Q_THREADS:
-                load_q_async(view, bars, q_nope, q_pe, stream[0], stream[1] * HEADS_PER_BLOCK, heads)
+        q_b, q_c = stream[0], stream[1]  # the last item whose Q is loaded
+        # the Q tile of the stream's first item (persistent: also the next one's), then its first tiles but one
+        if stream[3] > 0:
+            if not PERSISTENT or group == 1:
+                load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 0)
+            if PERSISTENT:
+                q_b, q_c = next_item(q_b, q_c, items)
+                q_b, q_c = with_keys(q_b, q_c, seqlens, items)
+                if q_b < items[0] and group == 1:
+                    load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 1)
             if not SHARED or group == 1:
                 for j in range(STAGES - 1):  # each thread's next page is looked up a tile ahead
                     if stream_more(stream, j):
@@ -625,7 +646,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         arrays = (q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part)
         regs = (m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row)
         me = (tid, warp, g, t, group, other, my_row, my_lane)
-        state = (0, 0, STAGES - 1, 1, 0, 0)  # see process_item
+        state = (0, 0, STAGES - 1, 1, 0, 0, q_b, q_c)  # see process_item
         if PERSISTENT:
             for _ in range(rounds):  # the block's items in turn
                 first, end, n_tiles = item_span(b, seqlens, capacity, 0, 1)

@@ -1219,7 +1219,8 @@ def _make_wgmma(ptx_type, widen_bits):
         index = _swizzle128(a_desc.offset + 64 * np.array([[row], [row + 8]]) + np.arange(16)[None, :])
         a = widen_bits(buf[index])
         b = _operand_b(b_desc.buf, widen_bits, b_desc.offset, n, b_desc.panel, b_mn_major)
-        _store_d(acc, a @ b, tig, accumulate)
+        with np.errstate(invalid="ignore", over="ignore"):  # tensor cores pass NaN and infinity on, silently
+            _store_d(acc, a @ b, tig, accumulate)
 
     def wgmma_ss(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
         wgmma_ss_desc(acc, n, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), b_mn_major,
@@ -1229,8 +1230,9 @@ def _make_wgmma(ptx_type, widen_bits):
         A = _warp_gather((a0, a1, a2, a3), lambda lanes: _a_matrix(np.array(lanes, dtype=np.uint32), widen_bits))
         row, tig = _warpgroup_position()
         group = row % 16
-        rows = A[[group, group + 8]] @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major)
-        _store_d(acc, rows, tig, accumulate)
+        with np.errstate(invalid="ignore", over="ignore"):
+            rows = A[[group, group + 8]] @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major)
+            _store_d(acc, rows, tig, accumulate)
 
     wgmma_ss.__doc__ = f"""``wgmma_ss_{ptx_type}(acc, N, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate)``.
 
@@ -1411,6 +1413,31 @@ def _bind_counted(twin, lowering):
 
 
 _bind_counted(fence_registers, _fence_registers)
+
+
+def opaque(x):
+    """``opaque(x)``: the integer ``x``, as a value the compiler cannot see through, taken where it stands.
+
+    ``x`` passes through an empty volatile ``asm`` (no instruction is emitted). Addresses derived from
+    the result inside a loop are computed there, instead of being hoisted out of the loop and held in
+    registers, or spilled, across everything else the loop does.
+    """
+    return x
+
+
+@intrinsic
+def _opaque(typingctx, x):
+    if not isinstance(x, types.Integer) or x.bitwidth not in (32, 64):
+        return None
+    constraints = "=l,0" if x.bitwidth == 64 else "=r,0"
+
+    def codegen(context, builder, sig, args):
+        return _asm(builder, "", constraints, args[0].type, [args[0]], side_effect=True)
+
+    return x(x), codegen
+
+
+_bind(opaque, _opaque)
 
 
 def forget_registers(acc, count):

@@ -5,7 +5,7 @@ same latent rows: ``score = q_nope · ckv + q_pe · kpe``, ``o = softmax(scale �
 ``kernels/mla.py`` computes it with key splits merged by the decode combine kernel.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numba
 import numpy as np
@@ -16,6 +16,7 @@ from .._cuda import SIMULATOR
 from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
+from ..kernels.mla_wgmma import PERSISTENT_HEADS
 from .attention import LOG2E, softmax_scale
 from .decode import (
     TorchOutputs,
@@ -119,15 +120,18 @@ class _Plan:
         self.splits = min(splits or auto, MAX_SPLITS)
         self.split = self.splits > 1
         self.grid = (self.splits, head_chunks, p.batch)
-        if self.config.persistent and not self.split:  # blocks that stay, taking the items in turn
+        # the persistent grid takes whole sequences of at most PERSISTENT_HEADS heads; otherwise the ordinary one
+        self.persistent = self.config.persistent and not self.split and p.heads <= PERSISTENT_HEADS
+        if self.persistent:  # blocks that stay, taking the sequences in turn
             self.grid = (min(work, blocks_per_sm * limits["sms"]),)
         self.threads = 32 * self.config.warps
-        self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, self.config, self.split, p.return_lse)
+        kernel_config = replace(self.config, persistent=self.persistent)
+        self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, kernel_config, self.split, p.return_lse)
         # the decode combine kernel sees the heads as one KV head's group of query rows
         self.combine = combine_kernel(p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse) if self.split else None
         self.combine_grid = (-(-p.heads // HEAD_ROWS), p.batch)
         self.part_shape = (p.batch, p.heads, 1, self.splits, p.rank)
-        self.label = f"mla {self.config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
+        self.label = f"mla {kernel_config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
 
 
 class _TorchPlan(_Plan):

@@ -180,6 +180,7 @@ def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, k
 
 def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
     from ..kernels.mla import mla_candidates, mla_config_error, mla_default_config
+    from ..kernels.mla_wgmma import PERSISTENT_HEADS
     from ..ops import mla as module
 
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
@@ -191,9 +192,10 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
     configs = mla_candidates(p.rank, p.rope, limits["cc"])
     if SIMULATOR:  # the configurations that simulate in seconds
         configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
-    # also the default's persistent grid where it has one, unsplit (split, it runs the ordinary kernel)
+    # also the default's persistent grid where it has one, unsplit (split, or with more than
+    # PERSISTENT_HEADS heads, it runs the ordinary kernel)
     persistent = dataclasses.replace(mla_default_config(p.rank, p.rope, limits["cc"]), persistent=True)
-    if mla_config_error(persistent, p.rank, p.rope, limits["cc"]) is None:
+    if p.heads <= PERSISTENT_HEADS and mla_config_error(persistent, p.rank, p.rope, limits["cc"]) is None:
         configs = [*configs, persistent]
     candidates = []
     for config in configs:
