@@ -71,17 +71,17 @@ def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config,
     _assert_lse_matches(lse, ref_lse, 1e-3)
 
 
-@pytest.mark.parametrize("blocks, heads, page_size", [(1, 20, 3), (2, 32, 5)])
-def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size):
+@pytest.mark.parametrize("blocks, heads, page_size, rope, block_n", [(1, 20, 3, 16, 32), (2, 32, 5, 0, 64)])
+def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size, rope, block_n):
     """The persistent wgmma kernel on ``blocks`` blocks: one block taking every sequence, or two taking
     alternate ones; empty sequences first, between and last, so that the copy stream and the Q loads
     skip items and the Q halves alternate over items with keys only; pages not dividing a tile; items of
-    one tile and of seven."""
+    one tile and of several; 32- and 64-row tiles, with and without rope columns."""
     pages = 200 // page_size
-    args = _inputs(rng, 6, heads, 128, 16, page_size, pages, "bfloat16")
+    args = _inputs(rng, 6, heads, 128, rope, page_size, pages, "bfloat16")
     args[5][:] = (0, args[5][1], 0, pages * page_size, 7, 0)  # 7: one tile, part of it
     p = module._validate(*args, 0.11, True)
-    plan = module._HostPlan(p, MlaConfig(32, 2, 8, "shared", True, True), 1)
+    plan = module._HostPlan(p, MlaConfig(block_n, 2, 8, "shared", True, True), 1)
     assert plan.persistent
     plan.grid = (blocks,)
     o, lse = plan(*args)
