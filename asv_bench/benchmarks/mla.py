@@ -1,7 +1,8 @@
 """asv benchmarks of numattn.mla_decode on the GPU (skipped without one): median GPU microseconds
 from CUDA events, and FlashInfer's GB/s metric, on pages of one latent row; the default configuration
 and the wgmma kernel's shared schedule on its ordinary and its persistent grid (sm_90; the default
-runs the ordinary one)."""
+runs the persistent one for at most 32 heads, the ordinary one above, where a persistent
+configuration also runs the ordinary kernel)."""
 
 import numattn
 from numattn.bench import MLA_SHAPES, cuda_time_ms
