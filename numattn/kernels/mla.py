@@ -201,7 +201,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     float32 (when ``write_lse`` and not ``split``); with ``split``, o_part
     ``[B, H, 1, S, R]`` and lse_part ``[B, H, 1, S]`` float32 (log2 domain) for
     the decode combine kernel. Grid ``(S, cdiv(H, heads_per_block), B)`` (a persistent configuration
-    without splits: any 1-D grid), ``32 · warps`` threads,
+    without splits, for at most ``PERSISTENT_HEADS`` heads: any 1-D grid), ``32 · warps`` threads,
     ``mla_shared_bytes`` of dynamic shared memory. Page indices are clamped into
     the cache and lengths into the page table's capacity. The wgmma kernel writes
     ``o`` in 16-byte chunks: its rows contiguous, 16-byte aligned.
