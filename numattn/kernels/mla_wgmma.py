@@ -565,8 +565,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 else:
                     q_b, q_c = next_item(q_b, q_c, items)
                     q_b, q_c = with_keys(q_b, q_c, seqlens, items)
-                    barrier_sync(STAGED + group, 128)
-                    wait_phase(bars, HALF_FREE, (items_done - 1) & 1)
+                    barrier_sync(STAGED + group, 128)  # its own rows read by all its threads
+                    wait_phase(bars, HALF_FREE, (items_done - 1) & 1)  # warpgroup 0's rows
                     if q_b < items[0]:
                         load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, q_half)
         return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done, q_b, q_c)
