@@ -100,7 +100,8 @@ def test_mla_persistent_grid_and_fallback():
         assert module._HostPlan(module._validate(*args, 0.1, False), config, 1).grid == expected
     args = _inputs(np.random.default_rng(1), 3, 33, 128, 16, 4, 4, "float16")
     p = module._validate(*args, 0.1, False)
-    assert module._HostPlan(p, config, 1).grid == (1, 1, 3) and not module._HostPlan(p, config, 1).persistent
+    unsplit = module._HostPlan(p, config, 1)
+    assert unsplit.grid == (1, 1, 3) and not unsplit.persistent
     assert module._HostPlan(p, config, 3).grid == (3, 1, 3)
     with pytest.raises(ValueError, match="persistent"):
         module._HostPlan(p, MlaConfig(32, 2, 8, "duplicated", True, True), 1)

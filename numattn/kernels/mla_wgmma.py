@@ -312,6 +312,12 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         return b, c
 
     @cuda.jit(device=True, inline="always")
+    def next_with_keys(b, c, seqlens, items):
+        """The first of a persistent block's items after (``b``, ``c``) whose sequence has keys."""
+        b, c = next_item(b, c, items)
+        return with_keys(b, c, seqlens, items)
+
+    @cuda.jit(device=True, inline="always")
     def stream_at(b, c, page_table, seqlens, items):
         """A persistent thread's copy stream at the first tile of item (``b``, ``c``) or, when that has no
         keys, of the next one with keys: ``(b, c, end, tiles left, key, slot, offset, page, position)``
@@ -563,8 +569,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if group == 0:
                     mbarrier_arrive(bars, HALF_FREE)
                 else:
-                    q_b, q_c = next_item(q_b, q_c, items)
-                    q_b, q_c = with_keys(q_b, q_c, seqlens, items)
+                    q_b, q_c = next_with_keys(q_b, q_c, seqlens, items)
                     barrier_sync(STAGED + group, 128)  # its own rows read by all its threads
                     wait_phase(bars, HALF_FREE, (items_done - 1) & 1)  # warpgroup 0's rows
                     if q_b < items[0]:
@@ -619,8 +624,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             if not PERSISTENT or group == 1:
                 load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 0)
             if PERSISTENT:
-                q_b, q_c = next_item(q_b, q_c, items)
-                q_b, q_c = with_keys(q_b, q_c, seqlens, items)
+                q_b, q_c = next_with_keys(q_b, q_c, seqlens, items)
                 if q_b < items[0] and group == 1:
                     load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 1)
             if not SHARED or group == 1:
