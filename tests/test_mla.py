@@ -107,6 +107,18 @@ def test_mla_persistent_grid_and_fallback():
         module._HostPlan(p, MlaConfig(32, 2, 8, "duplicated", True, True), 1)
 
 
+def test_mla_default_tile_follows_the_key_splits():
+    """On sm_90 the default takes 64-row tiles where four stages of them fit (R + P <= 320) and the
+    keys are not split, 32-row tiles otherwise (both measured on an H100)."""
+    for rank, rope, wide in ((256, 64, True), (128, 16, True), (512, 64, False), (512, 0, False)):
+        assert mla_default_config(rank, rope, (9, 0)).block_n == (64 if wide else 32)
+        assert mla_default_config(rank, rope, (9, 0), split=True).block_n == 32
+    args = _inputs(np.random.default_rng(1), 3, 16, 256, 64, 4, 4, "float16")
+    p = module._validate(*args, 0.1, False)
+    assert module._HostPlan(p).config == MlaConfig(64, 4, 8, "shared", True, True)
+    assert module._HostPlan(p, splits=2).config == MlaConfig(32, 4, 8, "shared", True, True)
+
+
 def test_mla_decode_public_call(rng):
     """The public function with the default configuration and splits, lse off, torch CPU tensors in and out."""
     args = _inputs(rng, 2, 16, 64, 16, 4, 6, "float16", library="torch", device="cpu")

@@ -164,23 +164,28 @@ def mla_candidates(rank, rope, cc):
 
 # the measured best on an H100 (docs/benchmarks.md#mla-decode): warpgroup 0 computes the scores and
 # hands P to warpgroup 1, over 32-row tiles in four stages (three tiles in flight), on the ordinary grid;
-# with at most 32 heads on the persistent grid
+# with at most 32 heads on the persistent grid. Where four stages of 64 rows fit (R + P <= 320) the
+# wider tile is faster, except with the keys split across blocks, one block per SM
 _SM90_MEASURED = MlaConfig(32, 4, 8, "shared", True)
+_SM90_MEASURED_WIDE = replace(_SM90_MEASURED, block_n=64)
 
 
-def mla_default_config(rank, rope, cc, heads=None):
-    """The choice among ``mla_candidates`` (for ``heads`` query heads, when given). On sm_90: the wgmma
-    kernel's measured best (``block_n`` 32, 4 stages, shared scores; on the persistent grid for at most
-    ``PERSISTENT_HEADS`` heads, else the ordinary grid) where it fits, else the largest tiles, shared
-    scores, then the most stages. Elsewhere: the most latent bytes in flight per SM (two blocks per SM
-    where they fit), then sharded scores, then fewer warps."""
+def mla_default_config(rank, rope, cc, heads=None, split=False):
+    """The choice among ``mla_candidates`` (for ``heads`` query heads, when given; ``split``: for keys
+    split across blocks). On sm_90: the wgmma kernel's measured best (4 stages of 64-row tiles where
+    they fit and the keys are not split, else of 32-row tiles, shared scores; on the persistent grid
+    for at most ``PERSISTENT_HEADS`` heads, else the ordinary grid) where it fits, else the largest
+    tiles, shared scores, then the most stages. Elsewhere: the most latent bytes in flight per SM
+    (two blocks per SM where they fit), then sharded scores, then fewer warps."""
     limit = SHARED_LIMITS.get(tuple(cc))
     candidates = mla_candidates(rank, rope, cc)
     if not candidates:
         raise ValueError(f"no MLA decode configuration fits kv_lora_rank {rank}, rope dim {rope} on sm_{cc[0]}{cc[1]}")
     if _SM90_MEASURED in candidates:
+        wide = _SM90_MEASURED_WIDE in candidates and not split
+        best = _SM90_MEASURED_WIDE if wide else _SM90_MEASURED
         few_heads = heads is not None and heads <= PERSISTENT_HEADS
-        return replace(_SM90_MEASURED, persistent=True) if few_heads else _SM90_MEASURED
+        return replace(best, persistent=True) if few_heads else best
 
     def score(c):
         blocks = max(1, min(2, limit // mla_shared_bytes(c, rank, rope)))

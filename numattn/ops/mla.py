@@ -108,18 +108,25 @@ class _Plan:
     def __init__(self, p, config=None, splits=None):
         self.problem = p
         limits = device_limits(0 if p.device is None else p.device)
+
+        def occupancy(c):  # blocks of work without splits, blocks per SM, the splits that fill the GPU
+            work = p.batch * -(-p.heads // c.heads_per_block)
+            blocks_per_sm = max(1, min(2, limits["max_shared"] // mla_shared_bytes(c, p.rank, p.rope)))
+            keys = p.max_pages * p.page_size
+            return work, blocks_per_sm, split_count(work, keys, blocks_per_sm, 4 * c.block_n, limits["sms"])
+
         self.config = config or mla_default_config(p.rank, p.rope, limits["cc"], p.heads)
         error = mla_config_error(self.config, p.rank, p.rope, limits["cc"])
         if error:
             raise ValueError(f"MLA configuration {self.config}: {error}")
+        work, blocks_per_sm, auto = occupancy(self.config)
+        if config is None and (splits or auto) > 1:  # the default differs where the keys are split
+            self.config = mla_default_config(p.rank, p.rope, limits["cc"], p.heads, split=True)
+            work, blocks_per_sm, auto = occupancy(self.config)
         self.shared_bytes = mla_shared_bytes(self.config, p.rank, p.rope)
-        head_chunks = -(-p.heads // self.config.heads_per_block)
-        work = p.batch * head_chunks
-        blocks_per_sm = max(1, min(2, limits["max_shared"] // self.shared_bytes))
-        auto = split_count(work, p.max_pages * p.page_size, blocks_per_sm, 4 * self.config.block_n, limits["sms"])
         self.splits = min(splits or auto, MAX_SPLITS)
         self.split = self.splits > 1
-        self.grid = (self.splits, head_chunks, p.batch)
+        self.grid = (self.splits, work // p.batch, p.batch)
         # the persistent grid takes whole sequences of at most PERSISTENT_HEADS heads; otherwise the ordinary one
         self.persistent = self.config.persistent and not self.split and p.heads <= PERSISTENT_HEADS
         if self.persistent:  # blocks that stay, taking the sequences in turn
