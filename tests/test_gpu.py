@@ -54,8 +54,11 @@ def test_against_float64_and_sdpa(rng, dtype, causal, shape):
     assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
     assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4
     if sq <= skv:  # SDPA returns NaN for rows with no visible key
+        # at most twice SDPA's error, plus one unit in the last place of the largest output: rounded
+        # to 16 bits, one element that the two kernels round differently moves the maximum by that much
         sdpa_error = max_error(sdpa_reference(q, k, v, causal), ref_o)
-        assert max_error(o, ref_o) <= 2 * sdpa_error + 1e-6
+        ulp = float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
+        assert max_error(o, ref_o) <= 2 * sdpa_error + ulp + 1e-6
 
 
 def test_bshd_and_strided_views(rng):

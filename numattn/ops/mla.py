@@ -27,6 +27,7 @@ from .decode import (
     paged_decode,
     split_count,
 )
+from .workspace import capturing_now
 
 MAX_RANK, MAX_ROPE = 512, 64
 
@@ -336,4 +337,4 @@ def _tuned(p):
 def _capturing_torch():
     import torch
 
-    return torch.cuda.is_current_stream_capturing()
+    return capturing_now(torch)

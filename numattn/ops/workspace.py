@@ -47,7 +47,7 @@ class SplitWorkspaces:
         """``(counters pointer, partials pointer, buffer)`` of a workspace with at least ``counter_words``
         zero counters and ``words - counter_words`` words for partials after all of its counters; the buffer
         must stay referenced until the launch is queued."""
-        if capturing_now(torch):
+        if stream and capturing_now(torch):  # the legacy default stream (handle 0) cannot capture
             buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
             return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
         entry = _BUFFERS.get((device, stream))
