@@ -46,6 +46,7 @@ def _lengths(rng, batch, capacity):
         ("float16", 2, 3, 64, 128, "bshd", 2),  # speculative: 3 new tokens, causal among them; head_dim_v > head_dim
         ("float16", 2, 1, 36, 40, "bhsd", 2),  # head dims off the 16-byte loads: element loads
         ("bfloat16", 2, 1, 96, 48, "bhsd", 2),  # tensor cores, rows of 12 and 6 chunks (not dividing a warp)
+        ("float32", 2, 1, 24, 18, "bhsd", 3),  # head_dim_v not a multiple of 4: the merge loads single outputs
     ],
 )
 def test_decode_matches_reference(rng, splits, dtype, group, seqlen_q, head_dim, head_dim_v, layout, split_count):

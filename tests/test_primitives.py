@@ -362,7 +362,7 @@ def test_bulk_reductions_add_staged_rows(rng, where):
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_last_block_reads_every_block_through_l2(where):
     """``last_to_finish`` picks one block per launch, after every block's writes, and leaves its counter at
-    zero; ``load_l2_f32`` reads what the other blocks wrote."""
+    zero; ``load_l2_f32`` and ``load_l2_f32x4`` read what the other blocks wrote."""
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
@@ -371,11 +371,13 @@ def test_last_block_reads_every_block_through_l2(where):
     blocks, threads, launches = (4, 8, 2) if where == "sim" else (264, 64, 3)
     values = cuda.to_device(np.full((blocks, threads), np.nan, np.float32))
     counters = cuda.to_device(np.zeros((1, 1), np.int32))
-    totals = cuda.to_device(np.full(launches, np.nan, np.float32))
+    totals = cuda.to_device(np.full((launches, 2), np.nan, np.float32))
     for launch in range(launches):
         last_block_sum_kernel[blocks, threads](values, counters, totals, launch)
     rows, cols = np.arange(1, blocks + 1, dtype=np.float64), np.arange(1, threads + 1, dtype=np.float64)
     expected = rows.sum() * cols.sum() + np.arange(launches) * blocks * threads
-    np.testing.assert_allclose(totals.copy_to_host(), expected, rtol=1e-4)  # float32 sums of up to 17k terms
+    totals = totals.copy_to_host()  # float32 sums of up to 17k terms
+    np.testing.assert_allclose(totals[:, 0], expected, rtol=1e-4)
+    np.testing.assert_allclose(totals[:, 1], expected, rtol=1e-4)
     assert counters.copy_to_host()[0, 0] == 0
 

@@ -25,6 +25,7 @@ from numattn.kernels.ptx import (
     ldmatrix_x4,
     ldmatrix_x4_trans,
     load_l2_f32,
+    load_l2_f32x4,
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
@@ -317,15 +318,20 @@ def bulk_reduce_kernel(src, dst):
 @cuda.jit
 def last_block_sum_kernel(values, counters, totals, launch):
     """Block ``i`` writes ``values[i, :]``; the last block to finish sums every block's row (read through
-    L2) into ``totals[launch]``. Launched several times on the same counters."""
+    L2) into ``totals[launch, 0]`` with 4-byte loads and into ``totals[launch, 1]`` with 16-byte ones.
+    Launched several times on the same counters."""
     i, tid = cuda.blockIdx.x, cuda.threadIdx.x
     values[i, tid] = float32(i + 1) * float32(tid + 1) + float32(launch)
     if last_to_finish(counters, 0, 0, cuda.gridDim.x):
         if tid == 0:
-            total = float32(0.0)
+            total, total4 = float32(0.0), float32(0.0)
             for j in range(cuda.gridDim.x):
                 for t in range(cuda.blockDim.x):
                     total += load_l2_f32(values, (j, t))
-            totals[launch] = total
+                for t in range(0, cuda.blockDim.x, 4):
+                    a, b, c, d = load_l2_f32x4(values, (j, t))
+                    total4 += (a + b) + (c + d)
+            totals[launch, 0] = total
+            totals[launch, 1] = total4
         release_counter(counters, 0, 0)
 

@@ -45,6 +45,7 @@ from .ptx import (
     ldmatrix_x4_trans,
     load_16,
     load_l2_f32,
+    load_l2_f32x4,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -82,8 +83,7 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
 
 MAX_MMA_HEAD_DIM = 256  # head dims of the tensor-core kernel; beyond, the CUDA-core kernel runs
 MAX_SPLITS = 64  # key splits per row at most (the combine keeps a weight per row and split)
-MERGE_ELEMS = 4  # output elements per thread whose partials the combine loads together
-MERGE_SPLITS = 8  # ... and splits
+MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
 
 
 @cuda.jit(device=True, inline="always")
@@ -118,6 +118,12 @@ def release_counter(counters, counter_row, counter_col):
         cuda.atomic.exch(counters, (counter_row, counter_col), 0)
 
 
+@cuda.jit(device=True, inline="always")
+def _load_l2_f32_tuple(src, index):
+    """``load_l2_f32`` as a 1-tuple, the shape of ``load_l2_f32x4``'s result."""
+    return (load_l2_f32(src, index),)
+
+
 def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
     """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
@@ -130,15 +136,19 @@ def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
     ``first_row + r`` (a tile of one head's rows).
 
     A warp per row turns the splits' log2-sum-exps into weights, then each thread
-    sums the weighted partials of ``MERGE_ELEMS`` outputs, ``MERGE_SPLITS`` splits
+    sums the weighted partials of four adjacent outputs (one 16-byte load per split
+    where the head dim is a multiple of 4, else one output), ``MERGE_SPLITS`` splits
     at a time, all those loads in flight together. Indices are unsigned: numba
     then emits neither negative-index wrapping nor floor-division fix-ups, which
     keeps this once-per-block code short (its instructions are fetched cold).
     """
     U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
-    DV, WRITE_LSE, ONE_HEAD = U(head_dim_v), write_lse, seqlen_q is None
+    WRITE_LSE, ONE_HEAD = write_lse, seqlen_q is None
     SQ = U(1 if ONE_HEAD else seqlen_q)
-    ELEMS, SPLITS, ONE, WARP = U(MERGE_ELEMS), U(MERGE_SPLITS), U(1), U(32)
+    SPLITS, ONE, WARP = U(MERGE_SPLITS), U(1), U(32)
+    QUAD = 4 if head_dim_v % 4 == 0 else 1  # outputs per load: one 16-byte load where a row holds whole quads
+    QUADS_PER_ROW, QUAD_COLS = U(head_dim_v // QUAD), U(QUAD)
+    load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
     narrow = NARROW[dtype]
 
     @cuda.jit(device=True, inline="always")
@@ -173,31 +183,26 @@ def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
             if WRITE_LSE and lane == 0:
                 lse[ub, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
         cuda.syncthreads()
-        # Loads clamp their split and output indices instead of branching (a clamped split's weight is 0,
-        # a clamped output is not stored): short, branch-free code with every load in flight.
-        values = cuda.local.array((MERGE_ELEMS, MERGE_SPLITS), float32)
-        sums = cuda.local.array(MERGE_ELEMS, float32)
-        n_out = n_rows * DV
-        for base in range(tid, n_out, ELEMS * step):
-            for e in range(MERGE_ELEMS):
-                sums[e] = _ZERO
+        # Each thread sums the weighted partials of QUAD adjacent outputs of a row, MERGE_SPLITS splits
+        # at a time, their loads all in flight; a clamped split's weight is 0 (branch-free loads).
+        values = cuda.local.array((MERGE_SPLITS, QUAD), float32)
+        sums = cuda.local.array(QUAD, float32)
+        for quad in range(tid, n_rows * QUADS_PER_ROW, step):
+            r, col = quad // QUADS_PER_ROW, quad % QUADS_PER_ROW * QUAD_COLS
+            h, i = row_head(first_head, first_row, r)
+            for c in range(QUAD):
+                sums[c] = _ZERO
             for s0 in range(U(0), splits, SPLITS):
-                for e in range(MERGE_ELEMS):
-                    idx = min(base + uint64(e) * step, n_out - ONE)
-                    r, col = idx // DV, idx % DV
-                    h, i = row_head(first_head, first_row, r)
-                    for u in range(MERGE_SPLITS):
-                        values[e, u] = load_l2_f32(o_part, (ub, h, i, min(s0 + uint64(u), splits - ONE), col))
-                for e in range(MERGE_ELEMS):
-                    r = min(base + uint64(e) * step, n_out - ONE) // DV
-                    for u in range(MERGE_SPLITS):  # s0 + u < MAX_SPLITS, a multiple of MERGE_SPLITS
-                        sums[e] += values[e, u] * weight_s[r, s0 + uint64(u)]
-            for e in range(MERGE_ELEMS):
-                idx = base + uint64(e) * step
-                if idx < n_out:
-                    r, col = idx // DV, idx % DV
-                    h, i = row_head(first_head, first_row, r)
-                    o[ub, h, i, col] = narrow(sums[e])
+                for u in range(MERGE_SPLITS):
+                    loaded = load_quad(o_part, (ub, h, i, min(s0 + uint64(u), splits - ONE), col))
+                    for c in range(QUAD):
+                        values[u, c] = loaded[c]
+                for u in range(MERGE_SPLITS):  # s0 + u < MAX_SPLITS, a multiple of MERGE_SPLITS
+                    weight = weight_s[r, s0 + uint64(u)]
+                    for c in range(QUAD):
+                        sums[c] += values[u, c] * weight
+            for c in range(QUAD):
+                o[ub, h, i, col + uint64(c)] = narrow(sums[c])
 
     return merge_splits
 

@@ -862,6 +862,33 @@ def _load_l2_f32(typingctx, src, index):
 _bind(load_l2_f32, _load_l2_f32)
 
 
+def load_l2_f32x4(src, index):
+    """``load_l2_f32x4(src, index) -> (f0, f1, f2, f3)``: ``src[index]`` and the next three elements of its
+    contiguous last axis, 16-byte aligned, read through L2 only (``ld.global.cg.v4.f32``; see
+    ``load_l2_f32``)."""
+    i = index[-1]
+    return tuple(np.float32(src[(*index[:-1], i + k)]) for k in range(4))
+
+
+@intrinsic
+def _load_l2_f32x4(typingctx, src, index):
+    if not (isinstance(src, types.Array) and src.dtype == types.float32 and isinstance(index, types.BaseTuple)):
+        return None
+    result = types.UniTuple(types.float32, 4)
+
+    def codegen(context, builder, sig, args):
+        src_type, index_type = sig.args
+        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1], contiguous_last=True)
+        values = _asm(builder, "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+                      ir.LiteralStructType([_f32] * 4), [ptr], side_effect=True)
+        return _unpack_struct(context, builder, sig, values, 4)
+
+    return result(src, index), codegen
+
+
+_bind(load_l2_f32x4, _load_l2_f32x4)
+
+
 def f32_from_bits(bits):
     """``f32_from_bits(bits) -> float32``: the fp32 value with bit pattern ``bits`` (a ``uint32``)."""
     return np.uint32(bits).view(np.float32)
