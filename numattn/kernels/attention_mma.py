@@ -31,7 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .decode import MAX_SPLITS, last_to_finish, release_counter, split_merger
+from .decode import last_to_finish, release_counter, split_merger
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -162,8 +162,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     ``o_part [B, Hq, Sq, S, Dv]`` (normalized within the split) and
     ``lse_part [B, Hq, Sq, S]`` (log2 domain); the last of a query tile's S blocks
     to finish (``counters [1, cdiv(Sq, block_m) · B · Hq]`` int32, zero at launch
-    and left zero) merges them into ``o`` and ``lse``. Dynamic shared memory must
-    then also hold ``block_m · MAX_SPLITS`` floats.
+    and left zero) merges them into ``o`` and ``lse``.
     """
     BLOCK_M, BLOCK_N, NUM_THREADS = config.block_m, config.block_n, config.num_threads
     WARP_M, Q_IN_REGISTERS = config.warp_m, config.q_in_registers
@@ -331,9 +330,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         if SPLIT:
             store_partial(o_part, lse_part, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
             if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
-                # the stages are free (the loop ended with a barrier): the merge's weights take their place
-                weight_s = tile_view(cuda.shared.array(0, float32), 0, BLOCK_M, MAX_SPLITS)
-                merge_splits(o_part, lse_part, o, lse, weight_s, b, h, m0, min(BLOCK_M, seqlen_q - m0))
+                merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
                 release_counter(counters, 0, cuda.blockIdx.x)
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)

@@ -125,27 +125,26 @@ def _load_l2_f32_tuple(src, index):
 
 
 def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
-    """Device function ``merge_splits(o_part, lse_part, o, lse, weight_s, b, first_head, first_row, n_rows)``:
+    """Device function ``merge_splits(o_part, lse_part, o, lse, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
-    and log2-sum-exp; every thread of the block takes part. ``weight_s`` is a float32
-    ``(rows, MAX_SPLITS)`` shared-memory scratch array.
+    and log2-sum-exp; every thread of the block takes part.
 
     Row ``r`` is query head ``first_head + (first_row + r) // seqlen_q``, new token
     ``(first_row + r) % seqlen_q`` (the rows of a KV head's group of query heads, ``seqlen_q``
     tokens each), or with ``seqlen_q`` None head ``first_head``, query row
     ``first_row + r`` (a tile of one head's rows).
 
-    A warp per row turns the splits' log2-sum-exps into weights, then each thread
-    sums the weighted partials of four adjacent outputs (one 16-byte load per split
-    where the head dim is a multiple of 4, else one output), ``MERGE_SPLITS`` splits
-    at a time, all those loads in flight together. Indices are unsigned: numba
-    then emits neither negative-index wrapping nor floor-division fix-ups, which
+    Each thread merges four adjacent outputs of a row on its own (one 16-byte load per
+    split where the head dim is a multiple of 4, else one output): an online softmax
+    over the splits' log2-sum-exps, ``MERGE_SPLITS`` splits per round with every load
+    of the round (log-sum-exps and partials) in flight at once. Indices are unsigned:
+    numba then emits neither negative-index wrapping nor floor-division fix-ups, which
     keeps this once-per-block code short (its instructions are fetched cold).
     """
     U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
     WRITE_LSE, ONE_HEAD = write_lse, seqlen_q is None
     SQ = U(1 if ONE_HEAD else seqlen_q)
-    SPLITS, ONE, WARP = U(MERGE_SPLITS), U(1), U(32)
+    SPLITS, ONE = U(MERGE_SPLITS), U(1)
     QUAD = 4 if head_dim_v % 4 == 0 else 1  # outputs per load: one 16-byte load where a row holds whole quads
     QUADS_PER_ROW, QUAD_COLS = U(head_dim_v // QUAD), U(QUAD)
     load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
@@ -158,57 +157,53 @@ def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
         return first_head + (first_row + r) // SQ, (first_row + r) % SQ
 
     @cuda.jit(device=True, inline="always")
-    def merge_splits(o_part, lse_part, o, lse, weight_s, b, head0, row0, rows_here):
+    def merge_splits(o_part, lse_part, o, lse, b, head0, row0, rows_here):
         ub, first_head, first_row, n_rows = uint64(b), uint64(head0), uint64(row0), uint64(rows_here)
         tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
-        warp, lane = tid // WARP, tid % WARP
         splits = uint64(lse_part.shape[3])
-        for r in range(warp, n_rows, step // WARP):
-            h, i = row_head(first_head, first_row, r)
-            # partials through L2: other blocks of this launch wrote them (MAX_SPLITS = 64: two per lane)
-            l0 = load_l2_f32(lse_part, (ub, h, i, lane)) if lane < splits else _NEG_INF
-            l1 = load_l2_f32(lse_part, (ub, h, i, lane + WARP)) if lane + WARP < splits else _NEG_INF
-            m_all = max(l0, l1)
-            for offset in (16, 8, 4, 2, 1):
-                m_all = max(m_all, shfl_xor_f32(m_all, offset))
-            w0, w1 = _ZERO, _ZERO
-            if m_all != _NEG_INF:
-                w0, w1 = ex2_approx(l0 - m_all), ex2_approx(l1 - m_all)
-            total = w0 + w1
-            for offset in (16, 8, 4, 2, 1):
-                total += shfl_xor_f32(total, offset)
-            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
-            weight_s[r, lane] = w0 * scale  # 0 past the last split
-            weight_s[r, lane + WARP] = w1 * scale
-            if WRITE_LSE and lane == 0:
-                lse[ub, h, i] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
-        cuda.syncthreads()
-        # Each thread sums the weighted partials of QUAD adjacent outputs of a row, MERGE_SPLITS splits
-        # at a time, their loads all in flight; a clamped split's weight is 0 (branch-free loads).
+        logs = cuda.local.array(MERGE_SPLITS, float32)
         values = cuda.local.array((MERGE_SPLITS, QUAD), float32)
-        sums = cuda.local.array(QUAD, float32)
+        acc = cuda.local.array(QUAD, float32)
         for quad in range(tid, n_rows * QUADS_PER_ROW, step):
             r, col = quad // QUADS_PER_ROW, quad % QUADS_PER_ROW * QUAD_COLS
             h, i = row_head(first_head, first_row, r)
+            m, total = _NEG_INF, _ZERO
             for c in range(QUAD):
-                sums[c] = _ZERO
+                acc[c] = _ZERO
             for s0 in range(U(0), splits, SPLITS):
+                # through L2: other blocks of this launch wrote them; past the last split, loads repeat it
                 for u in range(MERGE_SPLITS):
-                    loaded = load_quad(o_part, (ub, h, i, min(s0 + uint64(u), splits - ONE), col))
+                    split = min(s0 + uint64(u), splits - ONE)
+                    logs[u] = load_l2_f32(lse_part, (ub, h, i, split))
+                    loaded = load_quad(o_part, (ub, h, i, split, col))
                     for c in range(QUAD):
                         values[u, c] = loaded[c]
-                for u in range(MERGE_SPLITS):  # s0 + u < MAX_SPLITS, a multiple of MERGE_SPLITS
-                    weight = weight_s[r, s0 + uint64(u)]
+                m_round = m
+                for u in range(MERGE_SPLITS):
+                    if s0 + uint64(u) < splits:
+                        m_round = max(m_round, logs[u])
+                if m_round != _NEG_INF:  # else no split so far saw a key
+                    rescale = ex2_approx(m - m_round)
+                    total *= rescale
                     for c in range(QUAD):
-                        sums[c] += values[u, c] * weight
+                        acc[c] *= rescale
+                    for u in range(MERGE_SPLITS):
+                        weight = ex2_approx(logs[u] - m_round) if s0 + uint64(u) < splits else _ZERO
+                        total += weight
+                        for c in range(QUAD):
+                            acc[c] += weight * values[u, c]
+                    m = m_round
+            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
             for c in range(QUAD):
-                o[ub, h, i, col + uint64(c)] = narrow(sums[c])
+                o[ub, h, i, col + uint64(c)] = narrow(acc[c] * scale)
+            if WRITE_LSE and col == 0:
+                lse[ub, h, i] = (m + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
 
     return merge_splits
 
 
 def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
-    """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)``.
+    """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0)``.
 
     Merges the softmax states ``(m_s[w, r], l_s[w, r], acc_s[w · rows + r, :])``
     (log2 domain, unnormalized) of a block's warps for each of its rows and
@@ -217,8 +212,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     (into ``m_s``). With ``split``, the last block of a row chunk to finish (the
     one that takes ``counters[b, blockIdx.y]`` to the number of splits) then
     merges every split's partials into the output and sets the counter back to
-    0, so that no second kernel is needed (``weight_s``: its scratch array, see
-    ``split_merger``; it may alias ``acc_s``). Call after a barrier; every thread
+    0, so that no second kernel is needed. Call after a barrier; every thread
     takes part.
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
@@ -231,7 +225,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
         return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
 
     @cuda.jit(device=True, inline="always")
-    def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0):
+    def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0):
         warps = m_s.shape[0]
         n_rows = min(ROWS, G * SQ - row0)
         tid = cuda.threadIdx.x
@@ -266,7 +260,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
                 o[b, h, i, col] = narrow(value)
         if SPLIT:
             if last_to_finish(counters, b, cuda.blockIdx.y, cuda.gridDim.x):
-                merge_splits(o_part, lse_part, o, lse, weight_s, b, h_kv * G, row0, n_rows)
+                merge_splits(o_part, lse_part, o, lse, b, h_kv * G, row0, n_rows)
                 release_counter(counters, b, cuda.blockIdx.y)
 
     return finish
@@ -304,7 +298,6 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
     widen = WIDEN[dtype]
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse)
-    WEIGHT_SHAPE = (ROWS, MAX_SPLITS) if split else (1, 1)  # the merge's scratch (used only with splits)
 
     @cuda.jit(device=True, inline="always")
     def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
@@ -448,8 +441,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                     for e in range(CHUNK):
                         acc_s[warp * ROWS + r, (sub + LANES * j) * CHUNK + e] = acc[r, j * CHUNK + e]
         cuda.syncthreads()
-        weight_s = cuda.shared.array(WEIGHT_SHAPE, float32)
-        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0)
 
     return cuda.jit(kernel)
 
@@ -469,8 +461,7 @@ def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
 
     def kernel(o_part, lse_part, o, lse):
         h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows
-        weight_s = cuda.shared.array((rows, MAX_SPLITS), float32)
-        merge_splits(o_part, lse_part, o, lse, weight_s, cuda.blockIdx.y, h_kv * group, row0,
+        merge_splits(o_part, lse_part, o, lse, cuda.blockIdx.y, h_kv * group, row0,
                      min(rows, group * seqlen_q - row0))
 
     return cuda.jit(kernel)
@@ -752,9 +743,6 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t] = acc[0, dt, 2 * half]
                 acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t + 1] = acc[0, dt, 2 * half + 1]
         cuda.syncthreads()
-        # the merge's weights reuse the dynamic shared memory: no static array that would shift (and
-        # misalign) the swizzled tiles after the static ones
-        weight_s = tile_view(cuda.shared.array(0, float32), 0, MMA_ROWS, MAX_SPLITS)
-        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, weight_s, b, h_kv, row0)
+        finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0)
 
     return cuda.jit(kernel)

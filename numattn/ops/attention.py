@@ -257,17 +257,16 @@ def _attention_kernel(p, device, config=None, splits=1):
         raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit")
     label = f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
     grid = (grid, splits) if splits > 1 else grid
-    return dispatcher, grid, config.num_threads, _shared_bytes(p, config, splits), label, config
+    return dispatcher, grid, config.num_threads, _shared_bytes(p, config), label, config
 
 
 def _swap_last(values):
     return (*values[:-2], values[-1], values[-2])
 
 
-def _shared_bytes(p, config, splits=1):
+def _shared_bytes(p, config):
     if type(config) is MmaConfig:
-        tiles = config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
-        return max(tiles, 4 * config.block_m * MAX_SPLITS) if splits > 1 else tiles  # the merge's weights
+        return config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
     return config.shared_bytes(p.head_dim, p.head_dim_v)
 
 
