@@ -188,7 +188,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
     store_partial = partial_store(WARP_M, DTILES)
-    merge_splits = split_merger(dtype, DV, None, BLOCK_M, write_lse)
+    merge_splits = split_merger(dtype, DV, None, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
 

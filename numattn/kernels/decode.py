@@ -82,7 +82,7 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
 
 
 MAX_MMA_HEAD_DIM = 256  # head dims of the tensor-core kernel; beyond, the CUDA-core kernel runs
-MAX_SPLITS = 64  # key splits per row at most (the combine keeps a weight per row and split)
+MAX_SPLITS = 64  # key splits per row at most
 MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
 
 
@@ -124,9 +124,9 @@ def _load_l2_f32_tuple(src, index):
     return (load_l2_f32(src, index),)
 
 
-def split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse):
+def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     """Device function ``merge_splits(o_part, lse_part, o, lse, b, first_head, first_row, n_rows)``:
-    the output (and natural-log LSE) of ``n_rows <= rows`` rows from every split's fp32 partial output
+    the output (and natural-log LSE) of ``n_rows`` rows from every split's fp32 partial output
     and log2-sum-exp; every thread of the block takes part.
 
     Row ``r`` is query head ``first_head + (first_row + r) // seqlen_q``, new token
@@ -217,7 +217,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     """
     DV, G, SQ, ROWS, SPLIT, WRITE_LSE = head_dim_v, group, seqlen_q, rows, split, write_lse
     narrow = NARROW[dtype]
-    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, write_lse)
 
     @cuda.jit(device=True, inline="always")
     def row_head(h_kv, row0, r):
@@ -457,7 +457,7 @@ def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
     merge their own splits in their last block.)
     """
     ROW_CHUNKS = -(-(group * seqlen_q) // rows)
-    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, rows, write_lse)
+    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, write_lse)
 
     def kernel(o_part, lse_part, o, lse):
         h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows
