@@ -43,25 +43,29 @@ def cuda_time_ms(fn, warmup=3, repeat=20, flush_l2=True):
     return statistics.median(times)
 
 
-def host_overhead_us(fn, calls=50, rounds=200):
-    """Median host microseconds per call of ``fn()`` over rounds of back-to-back calls.
+def host_overhead_us(calls, per_round=50, rounds=200):
+    """Median host microseconds per call of each of ``calls`` (name -> callable) over rounds of
+    back-to-back calls, the callables taking turns round by round (a drifting host state then
+    touches them all alike).
 
     Rounds are short enough that the GPU's launch queue never fills (which
     would make the host wait for the GPU); the GPU drains between rounds,
     outside the timed region.
     """
     torch = _torch()
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
+    for fn in calls.values():
+        for _ in range(per_round):
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
+    torch.cuda.synchronize()
+    per_call = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            per_call[name].append((time.perf_counter() - start) / per_round * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(times) for name, times in per_call.items()}
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_kv, head_dim, head_dim_v, causal):
@@ -135,15 +139,13 @@ def bench_host_overhead():
 
     q, k, v = (torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     a = torch.randn(16, device="cuda")
-    return {
-        "numattn.attention": host_overhead_us(lambda: numattn.attention(q, k, v)),
-        "numattn.attention, return_lse": host_overhead_us(lambda: numattn.attention(q, k, v, return_lse=True)),
-        "numattn.attention, causal, bshd": host_overhead_us(
-            lambda: numattn.attention(q, k, v, causal=True, layout="bshd")
-        ),
-        "torch sdpa": host_overhead_us(lambda: sdpa(q, k, v)),
-        "torch.add": host_overhead_us(lambda: torch.add(a, a)),
-    }
+    return host_overhead_us({
+        "numattn.attention": lambda: numattn.attention(q, k, v),
+        "numattn.attention, return_lse": lambda: numattn.attention(q, k, v, return_lse=True),
+        "numattn.attention, causal, bshd": lambda: numattn.attention(q, k, v, causal=True, layout="bshd"),
+        "torch sdpa": lambda: sdpa(q, k, v),
+        "torch.add": lambda: torch.add(a, a),
+    })
 
 
 def bench_configs(shape, dtype, causal, configs):
@@ -252,17 +254,15 @@ def bench_decode_host_overhead():
     batch, heads_q, heads_kv, length, dim, _ = DECODE_SHAPES[2]
     q_w3 = torch.randn(batch, heads_q, dim, device="cuda", dtype=torch.float16)
     k_w3, v_w3 = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=torch.float16) for _ in range(2))
-    return {
-        "numattn.decode": host_overhead_us(lambda: numattn.decode(q, k, v, check=False)),
-        "numattn.decode, W3 (split)": host_overhead_us(lambda: numattn.decode(q_w3, k_w3, v_w3, check=False)),
-        "numattn.decode, seqlens": host_overhead_us(lambda: numattn.decode(q, k, v, seqlens=lengths, check=False)),
-        "numattn.decode, out=": host_overhead_us(lambda: numattn.decode(q, k, v, check=False, out=out)),
-        "numattn.paged_decode": host_overhead_us(
-            lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False)
-        ),
-        "torch sdpa (GQA)": host_overhead_us(lambda: sdpa(q4, k, v, enable_gqa=True)),
-        "torch.add": host_overhead_us(lambda: torch.add(a, a)),
-    }
+    return host_overhead_us({
+        "numattn.decode": lambda: numattn.decode(q, k, v, check=False),
+        "numattn.decode, W3 (split)": lambda: numattn.decode(q_w3, k_w3, v_w3, check=False),
+        "numattn.decode, seqlens": lambda: numattn.decode(q, k, v, seqlens=lengths, check=False),
+        "numattn.decode, out=": lambda: numattn.decode(q, k, v, check=False, out=out),
+        "numattn.paged_decode": lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False),
+        "torch sdpa (GQA)": lambda: sdpa(q4, k, v, enable_gqa=True),
+        "torch.add": lambda: torch.add(a, a),
+    })
 
 
 # FlashInfer's MLA decode benchmark: fp16, pages of one row, contiguous page indices; (batch, heads, seqlen)
