@@ -237,8 +237,8 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
 
 def bench_decode_host_overhead():
     """Host µs per call of decode and paged_decode on a tiny cache (B1 Hq8 Hkv2 L256 D128 fp16, one launch
-    without key splits), of decode on W3 (key splits merged in the same launch), next to torch SDPA and a
-    plain torch op. Rounds of 50 calls queue less GPU work than the launch queue holds, so the GPU never
+    without key splits), of decode on W3 (key splits merged in the same launch), the same through plans
+    (``decode_plan``), next to torch SDPA and a plain torch op. Rounds of 50 calls queue less GPU work than the launch queue holds, so the GPU never
     holds the host back."""
     torch = _torch()
     import numattn
@@ -254,12 +254,18 @@ def bench_decode_host_overhead():
     batch, heads_q, heads_kv, length, dim, _ = DECODE_SHAPES[2]
     q_w3 = torch.randn(batch, heads_q, dim, device="cuda", dtype=torch.float16)
     k_w3, v_w3 = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=torch.float16) for _ in range(2))
+    step, step_w3 = numattn.decode_plan(q, k, v), numattn.decode_plan(q_w3, k_w3, v_w3)
+    paged_step = numattn.paged_decode_plan(q, k_pages, v_pages, table, lengths)
     return host_overhead_us({
         "numattn.decode": lambda: numattn.decode(q, k, v, check=False),
         "numattn.decode, W3 (split)": lambda: numattn.decode(q_w3, k_w3, v_w3, check=False),
         "numattn.decode, seqlens": lambda: numattn.decode(q, k, v, seqlens=lengths, check=False),
         "numattn.decode, out=": lambda: numattn.decode(q, k, v, check=False, out=out),
         "numattn.paged_decode": lambda: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=False),
+        "decode_plan": lambda: step(q),
+        "decode_plan, W3 (split)": lambda: step_w3(q_w3),
+        "decode_plan, out=": lambda: step(q, out=out),
+        "paged_decode_plan": lambda: paged_step(q, check=False),
         "torch sdpa (GQA)": lambda: sdpa(q4, k, v, enable_gqa=True),
         "torch.add": lambda: torch.add(a, a),
     })

@@ -195,6 +195,85 @@ def test_decode_writes_into_out(rng):
         numattn.decode(tq, tk, tv, out=torch.empty(3, 8, 1, dtype=torch.float16).expand(3, 8, 32))
 
 
+def _plan_steps(rng, tq, tk, tv, t_lengths, capacity, device_copy, steps):
+    """``steps`` decode steps of a ``decode_plan`` bound to ``tk, tv, t_lengths``: each step writes a new
+    key into the caches, grows the lengths in place and takes a fresh query; every output against the
+    float64 reference of that step. ``device_copy`` maps a host array to the tensors' device."""
+    step = numattn.decode_plan(tq, tk, tv, seqlens=t_lengths, return_lse=True)
+    for _ in range(steps):
+        grow = np.minimum(t_lengths.cpu().numpy() + 1, capacity).astype(np.int32)
+        for b, t in enumerate(grow):
+            if t:
+                tk[b, :, t - 1] = device_copy(_random(rng, tk.shape[1:2] + tk.shape[3:], "float16"))
+        t_lengths.copy_(device_copy(grow))
+        q = device_copy(_random(rng, tuple(tq.shape), "float16"))
+        o, lse = step(q)
+        ref, ref_lse = reference.decode(q, tk, tv, seqlens=t_lengths, return_lse=True)
+        assert max_error(o, ref) <= ATOL["float16"]
+        finite = np.isfinite(ref_lse)
+        assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-3
+    return step
+
+
+def test_decode_plan_follows_its_caches(rng, splits):
+    """A plan made once runs every step (caches, lengths and page table changed in place), matches
+    ``decode``, takes ``out=``, and refuses queries and outputs that do not fit it."""
+    splits(2)
+    q, k, v = _random(rng, (2, 4, 32), "float16"), _random(rng, (2, 2, 40, 32), "float16"), _random(rng, (2, 2, 40, 32), "float16")
+    lengths = np.array([0, 39], np.int32)
+    tq, tk, tv, t_lengths = (torch.from_numpy(x.copy()) for x in (q, k, v, lengths))
+    step = _plan_steps(rng, tq, tk, tv, t_lengths, 40, torch.from_numpy, 2)
+
+    out = torch.full((2, 4, 32), float("nan"), dtype=torch.float16)
+    o, _ = step(tq, out=out, check=False)
+    assert o is out and torch.equal(out, numattn.decode(tq, tk, tv, seqlens=t_lengths))
+    with pytest.raises(ValueError, match=r"q must match the plan's query \(shape \(2, 4, 32\)"):
+        step(tq[:1])
+    with pytest.raises(ValueError, match="q must match"):
+        step(tq.float())
+    with pytest.raises(ValueError, match="q must match"):
+        step(q)  # a numpy array for a plan made on torch tensors
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float16 tensor of shape \(2, 4, 32\)"):
+        step(tq, out=torch.empty(2, 4, 64, dtype=torch.float16)[:, :, :32])
+    with pytest.raises(TypeError, match="check must be a bool"):
+        step(tq, check=1)
+    t_lengths[0] = 41
+    with pytest.raises(ValueError, match=r"seqlens\[0\] = 41 exceeds"):
+        step(tq)
+
+    # the paged form, its page table remapped in place between calls; numpy arrays take decode's path
+    from numattn.bench import paged_copy
+
+    k_pages, v_pages, table = paged_copy(torch, tk, tv, 16)
+    t_lengths[0] = 40
+    paged = numattn.paged_decode_plan(tq, k_pages, v_pages, table, t_lengths)
+    assert torch.equal(paged(tq), numattn.paged_decode(tq, k_pages, v_pages, table, t_lengths))
+    table[:] = torch.flip(table, (0,))
+    assert torch.equal(paged(tq), numattn.paged_decode(tq, k_pages, v_pages, table, t_lengths))
+    host = numattn.decode_plan(q, k, v, seqlens=lengths)
+    assert np.array_equal(host(q), numattn.decode(q, k, v, seqlens=lengths))
+
+
+@pytest.mark.gpu
+def test_decode_plan_on_gpu(rng):
+    """The plan on CUDA tensors (split keys merged in the launch), then captured in a CUDA graph."""
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 8, 6000, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    lengths = torch.tensor([5999, 700], dtype=torch.int32, device="cuda")
+    step = _plan_steps(rng, q, k, v, lengths, 6000, lambda x: torch.from_numpy(x).cuda(), 3)
+    out = torch.empty(2, 32, 128, device="cuda", dtype=torch.float16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(q, out=out)  # check=True is skipped while capturing
+    for _ in range(2):
+        q.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert max_error(out, reference.decode(q, k, v, seqlens=lengths)) <= ATOL["float16"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_on_gpu_realistic(rng, dtype):

@@ -52,13 +52,14 @@ class Decode:
 
 
 class DecodeLaunchOverhead:
-    """Host time of one decode call on a tiny cache."""
+    """Host time of one decode call on a tiny cache, through ``decode`` and through a ``decode_plan``."""
 
     def setup(self):
         torch = _cuda_torch()
         self.q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
         self.k, self.v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16) for _ in range(2))
         self.out = torch.empty_like(self.q)
+        self.step = numattn.decode_plan(self.q, self.k, self.v)
         numattn.decode(self.q, self.k, self.v, check=False)
         numattn.decode(self.q, self.k, self.v, check=False, out=self.out)
 
@@ -67,3 +68,9 @@ class DecodeLaunchOverhead:
 
     def time_decode_tiny_into_out(self):
         numattn.decode(self.q, self.k, self.v, check=False, out=self.out)
+
+    def time_decode_plan_tiny(self):
+        self.step(self.q)
+
+    def time_decode_plan_tiny_into_out(self):
+        self.step(self.q, out=self.out)

@@ -171,24 +171,25 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
             for c in range(QUAD):
                 acc[c] = _ZERO
             for s0 in range(U(0), splits, SPLITS):
-                # through L2: other blocks of this launch wrote them; past the last split, loads repeat it
+                # through L2: other blocks of this launch wrote them; past the last split, loads repeat
+                # it and its log-sum-exp becomes -inf (weight 0)
                 for u in range(MERGE_SPLITS):
                     split = min(s0 + uint64(u), splits - ONE)
-                    logs[u] = load_l2_f32(lse_part, (ub, h, i, split))
+                    log = load_l2_f32(lse_part, (ub, h, i, split))
+                    logs[u] = log if s0 + uint64(u) < splits else _NEG_INF
                     loaded = load_quad(o_part, (ub, h, i, split, col))
                     for c in range(QUAD):
                         values[u, c] = loaded[c]
                 m_round = m
                 for u in range(MERGE_SPLITS):
-                    if s0 + uint64(u) < splits:
-                        m_round = max(m_round, logs[u])
+                    m_round = max(m_round, logs[u])
                 if m_round != _NEG_INF:  # else no split so far saw a key
                     rescale = ex2_approx(m - m_round)
                     total *= rescale
                     for c in range(QUAD):
                         acc[c] *= rescale
                     for u in range(MERGE_SPLITS):
-                        weight = ex2_approx(logs[u] - m_round) if s0 + uint64(u) < splits else _ZERO
+                        weight = ex2_approx(logs[u] - m_round)
                         total += weight
                         for c in range(QUAD):
                             acc[c] += weight * values[u, c]

@@ -704,6 +704,100 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_lay
     return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out)
 
 
+def decode_plan(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
+    """``numattn.decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these caches
+    (and ``seqlens``), called with each step's new ``q``.
+
+    Arguments as in ``decode``; ``q`` fixes the shape, strides, dtype and device of every later ``q``.
+
+    Examples
+    --------
+    >>> import numpy as np, numattn
+    >>> rng = np.random.default_rng(0)
+    >>> k = rng.standard_normal((2, 2, 100, 64), dtype=np.float32)
+    >>> v = rng.standard_normal((2, 2, 100, 64), dtype=np.float32)
+    >>> lengths = np.array([90, 37], np.int32)
+    >>> step = numattn.decode_plan(np.zeros((2, 8, 64), np.float32), k, v, seqlens=lengths)
+    >>> lengths += 1  # the caches and lengths may change in place between calls
+    >>> step(rng.standard_normal((2, 8, 64), dtype=np.float32)).shape
+    (2, 8, 64)
+    """
+    return DecodePlan("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens], (scale, layout, return_lse))
+
+
+def paged_decode_plan(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+    """``numattn.paged_decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these pages,
+    page table and lengths, called with each step's new ``q`` (see ``decode_plan``)."""
+    return DecodePlan("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
+                      (scale, kv_layout, return_lse))
+
+
+def _tensor_signature(x):
+    """What a plan's torch tensor argument must keep: class, dtype, shape, strides, device, 16-byte alignment
+    (None for an object that is not a torch tensor)."""
+    try:
+        return x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15
+    except (AttributeError, TypeError):
+        return None
+
+
+def _signature_text(signature):
+    if signature is None:
+        return "not a torch tensor"
+    _, dtype, shape, strides, device, offset = signature
+    return f"shape {tuple(shape)}, strides {strides}, {dtype} on {device}, address {offset} mod 16"
+
+
+class DecodePlan:
+    """A decode call prepared once and run many times: ``plan(q, *, out=None, check=True)``.
+
+    Made by ``numattn.decode_plan`` or ``numattn.paged_decode_plan`` (the plan / run split of
+    FlashInfer's wrappers). The plan holds the key and value caches (and page table and lengths) it
+    was made with: their contents may change between calls (new keys written, lengths grown, pages
+    remapped in place), their shapes, strides and storage may not. Each call takes a new ``q`` with
+    the planned query's shape, strides, dtype, device and 16-byte alignment, or raises a
+    ``ValueError``; ``out``, when given, must be contiguous with the output's shape and dtype.
+    ``check`` and the results are those of ``decode``.
+
+    With torch tensors a call skips ``decode``'s argument validation and plan lookup (its host
+    time is the launch's and the output allocation's, see benchmarks); other arrays take
+    ``decode``'s path at every call.
+    """
+
+    def __init__(self, kind, validate, arrays, options):
+        self._kind, self._validate, self._options = kind, validate, options
+        self._bound = tuple(arrays[1:])  # k, v, page table, seqlens
+        problem = validate(*(from_dlpack(x) if x is not None else None for x in arrays), *options, None)
+        self.problem = problem
+        q = arrays[0]
+        self._torch = all(x is None or is_torch(x) for x in arrays)
+        if self._torch:
+            self._plan = _make_plan(problem, _tuned_splits(problem))
+            self._q_signature = _tensor_signature(q)
+            self._out_signature = self._q_signature[:2] + (
+                type(q.shape)(problem.out_shape), contiguous_strides(problem.out_shape), q.device)
+
+    def __call__(self, q, *, out=None, check=True):
+        if not self._torch:
+            return _run(self._kind, self._validate, [q, *self._bound], self._options, check, out)
+        if check.__class__ is not bool and not isinstance(check, np.bool_):
+            raise TypeError(f"check must be a bool, got {type(check).__name__}")
+        signature = _tensor_signature(q)
+        if signature != self._q_signature:
+            raise ValueError(f"q must match the plan's query ({_signature_text(self._q_signature)}), got "
+                             f"{_signature_text(signature)}: make a new plan for other queries")
+        if out is not None:
+            given = _tensor_signature(out)
+            if given is None or given[:5] != self._out_signature:
+                _, dtype, shape, strides, device = self._out_signature
+                raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device} "
+                                 f"(strides {strides}), got {_signature_text(given)}")
+        table, lengths = self._bound[2:]
+        if check and lengths is not None and not _capturing(self.problem):
+            _check_values(self.problem, table, lengths)
+        return self._plan(q, *self._bound, out)
+
+
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
     """``(page_table, seqlens)`` from FlashInfer's CSR description of a paged cache.
 
