@@ -51,6 +51,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
+    st_shared_v2_f32,
     syncwarp,
     unpack_bf16x2,
     unpack_f16x2,
@@ -93,18 +94,20 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
     starts at 0; the last block sets it back to 0 when it is done (one thread, after its merge:
     setting it here, before the merge, gave wrong results on the GPU).
 
-    Each thread's earlier global writes are made visible device-wide before the block takes its
-    ticket, so the block that draws the last ticket sees every other block's results.
+    The block's earlier global writes are made visible device-wide before it takes its ticket, so
+    the block that draws the last ticket sees every other block's results: the block barrier orders
+    every thread's writes before thread 0's fence (the order CUDA's cooperative grid barrier uses),
+    and the last block's thread 0 fences again after its ticket, before the barrier that releases
+    the block's reads.
     """
-    cuda.threadfence()
     cuda.syncthreads()
     last = 0
-    if cuda.threadIdx.x == 0 and cuda.atomic.add(counters, (counter_row, counter_col), 1) == tickets - 1:
-        last = 1
-    if cuda.syncthreads_or(last):
+    if cuda.threadIdx.x == 0:
         cuda.threadfence()
-        return True
-    return False
+        if cuda.atomic.add(counters, (counter_row, counter_col), 1) == tickets - 1:
+            cuda.threadfence()
+            last = 1
+    return cuda.syncthreads_or(last) != 0
 
 
 @cuda.jit(device=True, inline="always")
@@ -735,14 +738,16 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         l_s = cuda.shared.array((WARPS, MMA_ROWS), float32)
         acc_s = tile_view(cuda.shared.array(0, float32), 0, STATE_ROWS, DV)
         cuda.syncthreads()
+        n_rows = min(MMA_ROWS, G * SQ - row0)
         for half in range(2):
             r = g + 8 * half
-            if t == 0:
-                m_s[warp, r] = m_i[half]
-                l_s[warp, r] = l_i[half]
-            for dt in range(DTILES):
-                acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t] = acc[0, dt, 2 * half]
-                acc_s[warp * MMA_ROWS + r, 8 * dt + 2 * t + 1] = acc[0, dt, 2 * half + 1]
+            if r < n_rows:  # the m16 tile's rows past the group's are padding: never merged
+                if t == 0:
+                    m_s[warp, r] = m_i[half]
+                    l_s[warp, r] = l_i[half]
+                for dt in range(DTILES):
+                    st_shared_v2_f32(acc_s, warp * MMA_ROWS + r, 8 * dt + 2 * t, acc[0, dt, 2 * half],
+                                     acc[0, dt, 2 * half + 1])
         cuda.syncthreads()
         finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0)
 
