@@ -310,7 +310,9 @@ def split_count(work, capacity, blocks_per_sm, min_keys, sms):
     return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
 
 
-MMA_STAGES = (3, 2)  # ring depths of the tensor-core kernel, the first that fits the shared memory is used
+# ring depths of the tensor-core kernel, the first that fits the shared memory is used: two stages (one
+# tile in flight per warp) measured faster than three on W1, W2 and W3 once the merge's tail was short
+MMA_STAGES = (2,)
 
 
 class _Plan:
