@@ -238,8 +238,8 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
 def bench_decode_host_overhead():
     """Host µs per call of decode and paged_decode on a tiny cache (B1 Hq8 Hkv2 L256 D128 fp16, one launch
     without key splits), of decode on W3 (key splits merged in the same launch), the same through plans
-    (``decode_plan``), next to torch SDPA and a plain torch op. Rounds of 50 calls queue less GPU work than the launch queue holds, so the GPU never
-    holds the host back."""
+    (``decode_plan``), next to torch SDPA and a plain torch op. Rounds of 50 calls queue less GPU work
+    than the launch queue holds, so the GPU never holds the host back."""
     torch = _torch()
     import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
