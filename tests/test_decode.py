@@ -1,5 +1,7 @@
 """numattn.decode / paged_decode / merge_states against the float64 reference (simulator on CPU, GPU kernels on a GPU)."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -272,6 +274,31 @@ def test_decode_plan_on_gpu(rng):
         graph.replay()
         torch.cuda.synchronize()
         assert max_error(out, reference.decode(q, k, v, seqlens=lengths)) <= ATOL["float16"]
+
+
+@pytest.mark.gpu
+def test_decode_plan_from_threads():
+    """One plan called from four threads at once, each on its own stream with its own queries: a launch's
+    argument block is shared, so every output must still come from its own query."""
+    k, v = (torch.randn(1, 2, 300, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    queries = torch.randn(4, 25, 1, 8, 128, device="cuda", dtype=torch.float16)
+    step = numattn.decode_plan(queries[0, 0], k, v)
+    outputs = [[] for _ in range(4)]
+
+    def work(t):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            outputs[t].extend(step(q) for q in queries[t])
+        stream.synchronize()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    got = torch.stack([torch.stack(o) for o in outputs])
+    assert max_error(got, reference.decode(queries.reshape(100, 8, 128), k.expand(100, -1, -1, -1),
+                                           v.expand(100, -1, -1, -1)).reshape(got.shape)) <= ATOL["float16"]
 
 
 @pytest.mark.gpu

@@ -67,7 +67,7 @@ def test_mla_decode_matches_reference(rng, rank, rope, heads, page_size, config,
     args = _inputs(rng, 3 if page_size > 1 else 2, heads, rank, rope, page_size, max_pages, dtype)
     o, lse = _run_plan(args, config, splits, 0.09, True)
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.09, return_lse=True)
-    assert max_error(o, ref_o) <= ATOL[dtype]
+    assert max_error(o, ref_o, dtype) <= ATOL[dtype]
     _assert_lse_matches(lse, ref_lse, 1e-3)
 
 
@@ -86,7 +86,7 @@ def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size
     plan.grid = (blocks,)
     o, lse = plan(*args)
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.11, return_lse=True)
-    assert max_error(o, ref_o) <= ATOL["bfloat16"]
+    assert max_error(o, ref_o, "bfloat16") <= ATOL["bfloat16"]
     _assert_lse_matches(lse, ref_lse, 1e-3)
 
 
@@ -124,7 +124,7 @@ def test_mla_decode_public_call(rng):
     args = _inputs(rng, 2, 16, 64, 16, 4, 6, "float16", library="torch", device="cpu")
     o = numattn.mla_decode(*args, scale=0.125)
     assert isinstance(o, torch.Tensor) and o.dtype == torch.float16 and o.shape == (2, 16, 64)
-    assert max_error(o, reference.mla_decode(*args, scale=0.125)) <= ATOL["float16"]
+    assert max_error(o, reference.mla_decode(*args, scale=0.125), "float16") <= ATOL["float16"]
 
 
 @pytest.mark.parametrize("library, rope", [("numpy", 16), ("torch", 0)])
@@ -215,8 +215,8 @@ def test_mla_decode_on_gpu_deepseek_sizes(rng, config, page_size):
     for splits in (1, 4):
         o, lse = _run_plan(args, config, splits, 0.07, True)
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
-        assert max_error(o, ref_o) <= ATOL["bfloat16"]
-    assert max_error(numattn.mla_decode(*args, scale=0.07), ref_o) <= ATOL["bfloat16"]
+        assert max_error(o, ref_o, "bfloat16") <= ATOL["bfloat16"]
+    assert max_error(numattn.mla_decode(*args, scale=0.07), ref_o, "bfloat16") <= ATOL["bfloat16"]
 
 
 @pytest.mark.gpu
@@ -234,13 +234,14 @@ def test_mla_persistent_kernel_on_gpu(rng):
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
         for _ in range(2):
             o, lse = plan(*args)
-            assert max_error(o, ref_o) <= ATOL["bfloat16"]
+            assert max_error(o, ref_o, "bfloat16") <= ATOL["bfloat16"]
             _assert_lse_matches(lse, ref_lse, 1e-3)
     # with 16 heads the public call's default runs the persistent grid
     args = _inputs(rng, 300, 16, 512, 64, 1, 160, "float16", library="torch", device="cuda")
     plan = module._TorchPlan(module._validate(*args, 0.07, False))
     assert plan.config.persistent and len(plan.grid) == 1
-    assert max_error(numattn.mla_decode(*args, scale=0.07), reference.mla_decode(*args, scale=0.07)) <= ATOL["float16"]
+    assert (max_error(numattn.mla_decode(*args, scale=0.07), reference.mla_decode(*args, scale=0.07), "float16")
+            <= ATOL["float16"])
 
 
 @pytest.mark.gpu

@@ -141,12 +141,18 @@ def _launch_kernel_ex():
 
     Four pointer arguments cost less host time to pass than ``cuLaunchKernel``'s
     eleven (through ctypes or cuda-bindings alike); the driver's own time is the same.
+    The call keeps the GIL (a ``PYFUNCTYPE``, as torch's own launches do): no other thread
+    can rewrite a launch's shared argument block before the driver has copied it.
     """
     flags = _driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
     address = _check(_driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000, flags))[0]
     if not address:
         raise RuntimeError("the CUDA driver has no cuLaunchKernelEx (CUDA 12.0 or newer is needed)")
-    return ctypes.CFUNCTYPE(ctypes.c_int, *(ctypes.c_void_p,) * 4)(int(address))
+    return ctypes.PYFUNCTYPE(ctypes.c_int, *(ctypes.c_void_p,) * 4)(int(address))
+
+
+# Python without a GIL (free-threaded builds) needs a lock around filling and launching a prepared launch
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 
 
 class PreparedLaunch:
@@ -176,7 +182,7 @@ class PreparedLaunch:
         for i, slot in enumerate(pointer_slots):
             self._addresses[slot] = ctypes.addressof(self._pointers) + 8 * i
         self._params = int(self._addresses.ctypes.data)
-        self._lock = threading.Lock()  # the pointers and the stream are shared: fill and launch as one step
+        self._lock = threading.Lock()  # without a GIL: the pointers and the stream are shared, fill and launch as one step
         extents = (grid,) if isinstance(grid, int) else tuple(grid)
         self._config = _LaunchConfig(extents + (1,) * (3 - len(extents)), (block, 1, 1), kernel.shared_bytes)
         self._config_address = ctypes.addressof(self._config)
@@ -184,18 +190,25 @@ class PreparedLaunch:
         self._function = int(kernel.function)
         self._launch = _launch_kernel_ex()
 
-    def __call__(self, stream, *pointers):
-        """Launch on the raw stream handle ``stream``."""
-        with self._lock:
+    def _fill_and_launch(self, stream, *pointers):
+        """Launch on the raw stream handle ``stream`` (with the GIL held, nothing interleaves)."""
+        self._write_pointers(*pointers)
+        if stream != self._stream:
+            self._config.stream = self._stream = stream
+        err = self._launch(self._config_address, self._function, self._params, None)
+        if err == _INVALID_CONTEXT:  # a thread with no current context (torch's autograd threads)
+            _check(_driver.cuCtxSetCurrent(self.kernel.context))  # lets other threads run: fill again
             self._write_pointers(*pointers)
-            if stream != self._stream:
-                self._config.stream = self._stream = stream
+            self._config.stream = self._stream = stream
             err = self._launch(self._config_address, self._function, self._params, None)
-            if err == _INVALID_CONTEXT:  # a thread with no current context (torch's autograd threads)
-                _check(_driver.cuCtxSetCurrent(self.kernel.context))
-                err = self._launch(self._config_address, self._function, self._params, None)
         if err:
             _check((_driver.CUresult(err),))
+
+    def _locked_launch(self, stream, *pointers):
+        with self._lock:
+            self._fill_and_launch(stream, *pointers)
+
+    __call__ = _fill_and_launch if _GIL else _locked_launch
 
 
 class SimulatedKernel:

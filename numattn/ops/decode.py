@@ -394,8 +394,17 @@ class _DevicePlan(_Plan):
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields(self.arrays())
         fields.append(np.float32(p.scale * LOG2E))
+        self._kernel, self._fields, self._slots = kernel, fields, slots
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
         self.workspace = WorkspaceLayout(self.workspace_shapes)
+
+    def bound_launch(self, k, v, page_table, seqlens):
+        """A launch with the data pointers of the caches, page table and lengths (ints, 0 for none)
+        fixed; it takes those of q, out, lse, the partials, their LSEs and the counters."""
+        fields = list(self._fields)
+        for slot, pointer in zip(self._slots[1:5], (k, v, page_table, seqlens)):
+            fields[slot] = pointer
+        return self._kernel.prepare(self.grid, NUM_THREADS, fields, self._slots[:1] + self._slots[5:])
 
 
 class _TorchPlan(_DevicePlan):
@@ -412,10 +421,16 @@ class _TorchPlan(_DevicePlan):
         self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
+        return self.run(self.launch, out, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                        0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr())
+
+    def run(self, launch, out, *inputs):
+        """Allocate the outputs (``out`` used when given) and queue ``launch`` (``self.launch`` or a
+        ``bound_launch``) on its input pointers; returns ``out`` or ``(out, lse)``."""
         p = self.problem
         if not self._single_device and self._get_device() != p.device:
             with self._torch.cuda.device(p.device):
-                return self(q, k, v, page_table, seqlens, out)
+                return self.run(launch, out, *inputs)
         out, lse, _, _, _ = self.outputs.allocate(out)
         stream = self._stream(p.device)
         part = part_lse = counters = 0
@@ -423,12 +438,13 @@ class _TorchPlan(_DevicePlan):
             counters, part, _held = SplitWorkspaces.get(  # held until the launch is queued
                 self._torch, p.device, stream, self.workspace.counter_words, self.workspace.words)
             part_lse = part + self.workspace.part_lse_offset
-        self.launch(
-            stream, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-            0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr(),
-            out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters,
-        )
+        launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters)
         return (out, lse) if lse is not None else out
+
+
+def tensor_pointer(x):
+    """A torch tensor's data pointer, 0 for None."""
+    return 0 if x is None else x.data_ptr()
 
 
 class TorchOutputs:
@@ -775,6 +791,9 @@ class DecodePlan:
         self._torch = all(x is None or is_torch(x) for x in arrays)
         if self._torch:
             self._plan = _make_plan(problem, _tuned_splits(problem))
+            # on the GPU the caches' pointers are fixed in the launch (CPU tensors: the simulator's plan)
+            self._launch = (self._plan.bound_launch(*map(tensor_pointer, self._bound))
+                            if isinstance(self._plan, _TorchPlan) else None)
             self._q_signature = _tensor_signature(q)
             self._out_signature = self._q_signature[:2] + (
                 type(q.shape)(problem.out_shape), contiguous_strides(problem.out_shape), q.device)
@@ -797,7 +816,9 @@ class DecodePlan:
         table, lengths = self._bound[2:]
         if check and lengths is not None and not _capturing(self.problem):
             _check_values(self.problem, table, lengths)
-        return self._plan(q, *self._bound, out)
+        if self._launch is None:
+            return self._plan(q, *self._bound, out)
+        return self._plan.run(self._launch, out, q.data_ptr())
 
 
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
