@@ -1,6 +1,7 @@
 """numattn.decode / paged_decode / merge_states against the float64 reference (simulator on CPU, GPU kernels on a GPU)."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,6 +38,19 @@ def _lengths(rng, batch, capacity):
     lengths = rng.integers(0, capacity + 1, size=batch)
     lengths[: min(3, batch)] = [0, 1, capacity][: min(3, batch)]
     return rng.permutation(lengths).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    "shape, h100_splits, h200_splits", [((64, 4096), 1, 1), ((8, 32768), 2, 4), ((1, 8192), 16, 16), ((2, 2048), 8, 8)]
+)
+def test_decode_splits_heuristic(shape, h100_splits, h200_splits):
+    """The tensor-core kernel's key splits for Hq 32, Hkv 8 (W1, W2, W3 and a short batch): one block per
+    SM on an H100; on an H200's wider memory a second one where each split keeps long runs of keys."""
+    batch, capacity = shape
+    p = SimpleNamespace(batch=batch, capacity=capacity, heads_q=32, heads_kv=8, seqlen_q=1)
+    for dram_gbs, expected in ((3352.3, h100_splits), (4814.3, h200_splits)):
+        limits = {"sms": 132, "dram_gbs": dram_gbs}
+        assert module._splits(p, module.MMA_ROWS, *module.MMA_SPLITTING, limits) == (expected, 1)
 
 
 @pytest.mark.parametrize(

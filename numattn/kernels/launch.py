@@ -42,7 +42,7 @@ def _check(result):
 def device_limits(device_id):
     """Properties of GPU ``device_id`` that kernel configurations must respect."""
     if SIMULATOR:
-        return {"name": "numba CUDA simulator", "cc": (9, 0), "sms": 1, "max_shared": 227 * 1024}
+        return {"name": "numba CUDA simulator", "cc": (9, 0), "sms": 1, "max_shared": 227 * 1024, "dram_gbs": 0.0}
     attr = _driver.CUdevice_attribute
     dev = _check(_driver.cuDeviceGet(device_id))[0]
 
@@ -58,6 +58,8 @@ def device_limits(device_id):
         ),
         "sms": get("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
         "max_shared": get("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+        # peak DRAM bandwidth: two transfers per memory clock (kHz) over the bus (bits)
+        "dram_gbs": get("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE") * get("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH") / 4e6,
     }
 
 

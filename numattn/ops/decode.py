@@ -291,22 +291,40 @@ def check_lengths_and_pages(seqlens, page_table, capacity, capacity_text, page_s
         raise ValueError(f"page_table[{b}, {j}] = {table[b, j]} is not a page index in [0, {num_pages})")
 
 
-def _splits(p, rows, blocks_per_sm, min_keys, sms):
+# GPUs whose DRAM feeds each SM faster than this (GB/s; an H200's 4.8 TB/s on 132 SMs, not an H100's
+# 3.35) take a second block per SM where each split still streams at least LONG_SPLIT_KEYS keys:
+# measured on an H200, W2 (32768 keys) ran 2% faster in 4 splits than in 2, W3 (8192 keys) 9% slower
+# in 32 than in 16; on an H100, 4 splits were not faster on W2
+WIDE_GBS_PER_SM = 30
+LONG_SPLIT_KEYS = 4096
+# the tensor-core kernel's splitting: blocks per SM (its shared memory), fewest keys per split
+MMA_SPLITTING = (2, 4 * WARPS * MMA_KEYS)
+
+
+def _splits(p, rows, blocks_per_sm, min_keys, limits):
     """``(splits, row_chunks)``: key splits per (sequence, KV head, chunk of query rows).
 
     Time goes as the waves of blocks times the keys per block, ``ceil(blocks / slots) / splits``
     with ``slots = blocks_per_sm · sms``; the fewest splits that minimise it win (each split adds
     partial results to combine), with at least ``min_keys`` keys per split, at most ``MAX_SPLITS``,
-    and no more splits than keep one block per SM (more only added combine work where measured).
+    and no more splits than keep one block per SM (more only added combine work where measured),
+    or two on GPUs with a wide memory per SM (see ``WIDE_GBS_PER_SM``).
     """
     row_chunks = -(-(p.heads_q // p.heads_kv * p.seqlen_q) // rows)
-    return split_count(p.batch * p.heads_kv * row_chunks, p.capacity, blocks_per_sm, min_keys, sms), row_chunks
+    work, sms = p.batch * p.heads_kv * row_chunks, limits["sms"]
+    splits = split_count(work, p.capacity, blocks_per_sm, min_keys, sms)
+    if limits["dram_gbs"] > WIDE_GBS_PER_SM * sms and blocks_per_sm >= 2:
+        wide = split_count(work, p.capacity, blocks_per_sm, min_keys, sms, per_sm=2)
+        if p.capacity >= wide * LONG_SPLIT_KEYS:
+            splits = wide
+    return splits, row_chunks
 
 
-def split_count(work, capacity, blocks_per_sm, min_keys, sms):
-    """Key splits for ``work`` blocks' worth of (sequence, head, rows) over ``capacity`` keys (see ``_splits``)."""
+def split_count(work, capacity, blocks_per_sm, min_keys, sms, per_sm=1):
+    """Key splits for ``work`` blocks' worth of (sequence, head, rows) over ``capacity`` keys, filling at
+    most ``per_sm`` blocks per SM (see ``_splits``)."""
     slots = blocks_per_sm * sms
-    most = max(1, min(-(-capacity // min_keys), sms // work, MAX_SPLITS))
+    most = max(1, min(-(-capacity // min_keys), per_sm * sms // work, MAX_SPLITS))
     return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
 
 
@@ -334,13 +352,13 @@ class _Plan:
             fitting = [n for n in MMA_STAGES if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
             if fitting:
                 self.stages, rows = fitting[0], MMA_ROWS
-                split_args = (2, 4 * WARPS * MMA_KEYS)
+                split_args = MMA_SPLITTING
         if split_args is None:
             self.stages = None
             *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
             rows = min(rows, group * p.seqlen_q)
             split_args = (16, 128)
-        auto_splits, row_chunks = _splits(p, rows, *split_args, limits["sms"])
+        auto_splits, row_chunks = _splits(p, rows, *split_args, limits)
         self.splits = min(splits or auto_splits, MAX_SPLITS)
         self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages) if self.stages else 0
         self.split = self.splits > 1
@@ -751,12 +769,13 @@ def paged_decode_plan(q, k_pages, v_pages, page_table, seqlens, *, scale=None, k
 
 
 def _tensor_signature(x):
-    """What a plan's torch tensor argument must keep: class, dtype, shape, strides, device, 16-byte alignment
-    (None for an object that is not a torch tensor)."""
+    """``(signature, data pointer)``: what a plan's torch tensor argument must keep (class, dtype, shape,
+    strides, device, 16-byte alignment), and its address; ``(None, 0)`` for an object that is not a torch tensor."""
     try:
-        return x.__class__, x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15
+        address = x.data_ptr()
+        return (x.__class__, x.dtype, x.shape, x.stride(), x.device, address & 15), address
     except (AttributeError, TypeError):
-        return None
+        return None, 0
 
 
 def _signature_text(signature):
@@ -785,6 +804,7 @@ class DecodePlan:
     def __init__(self, kind, validate, arrays, options):
         self._kind, self._validate, self._options = kind, validate, options
         self._bound = tuple(arrays[1:])  # k, v, page table, seqlens
+        self._table, self._lengths = arrays[3:]
         problem = validate(*(from_dlpack(x) if x is not None else None for x in arrays), *options, None)
         self.problem = problem
         q = arrays[0]
@@ -794,7 +814,7 @@ class DecodePlan:
             # on the GPU the caches' pointers are fixed in the launch (CPU tensors: the simulator's plan)
             self._launch = (self._plan.bound_launch(*map(tensor_pointer, self._bound))
                             if isinstance(self._plan, _TorchPlan) else None)
-            self._q_signature = _tensor_signature(q)
+            self._q_signature = _tensor_signature(q)[0]
             self._out_signature = self._q_signature[:2] + (
                 type(q.shape)(problem.out_shape), contiguous_strides(problem.out_shape), q.device)
 
@@ -803,22 +823,21 @@ class DecodePlan:
             return _run(self._kind, self._validate, [q, *self._bound], self._options, check, out)
         if check.__class__ is not bool and not isinstance(check, np.bool_):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
-        signature = _tensor_signature(q)
+        signature, address = _tensor_signature(q)
         if signature != self._q_signature:
             raise ValueError(f"q must match the plan's query ({_signature_text(self._q_signature)}), got "
                              f"{_signature_text(signature)}: make a new plan for other queries")
         if out is not None:
-            given = _tensor_signature(out)
+            given = _tensor_signature(out)[0]
             if given is None or given[:5] != self._out_signature:
                 _, dtype, shape, strides, device = self._out_signature
                 raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device} "
                                  f"(strides {strides}), got {_signature_text(given)}")
-        table, lengths = self._bound[2:]
-        if check and lengths is not None and not _capturing(self.problem):
-            _check_values(self.problem, table, lengths)
+        if check and self._lengths is not None and not _capturing(self.problem):
+            _check_values(self.problem, self._table, self._lengths)
         if self._launch is None:
             return self._plan(q, *self._bound, out)
-        return self._plan.run(self._launch, out, q.data_ptr())
+        return self._plan.run(self._launch, out, address)
 
 
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
