@@ -48,8 +48,8 @@ def max_error(actual, expected, rounded_to=None):
     assert np.isfinite(actual).all(), "non-finite values in the output"
     error = np.abs(actual - expected)
     if rounded_to is not None:
-        _, exponent = np.frexp(expected)  # |expected| in [2^(exponent-1), 2^exponent)
-        error -= np.ldexp(0.5, exponent - 1 - MANTISSA_BITS[rounded_to])
+        _, exponent = np.frexp(expected)  # |expected| in [2^(exponent-1), 2^exponent); 0 is exact
+        error -= np.where(expected != 0, np.ldexp(0.5, exponent - 1 - MANTISSA_BITS[rounded_to]), 0.0)
     return float(error.max())
 
 
