@@ -305,6 +305,7 @@ def test_decode_plan_from_threads():
             outputs[t].extend(step(q) for q in queries[t])
         stream.synchronize()
 
+    torch.cuda.synchronize()  # the inputs, made on the default stream, are ready for the threads' streams
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
     for thread in threads:
         thread.start()

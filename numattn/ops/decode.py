@@ -439,8 +439,8 @@ class _TorchPlan(_DevicePlan):
         self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
-        return self.run(self.launch, out, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                        0 if page_table is None else page_table.data_ptr(), 0 if seqlens is None else seqlens.data_ptr())
+        return self.run(self.launch, out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
+                        tensor_pointer(seqlens))
 
     def run(self, launch, out, *inputs):
         """Allocate the outputs (``out`` used when given) and queue ``launch`` (``self.launch`` or a
