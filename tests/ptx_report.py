@@ -75,6 +75,10 @@ def main():
     for name, (kernel, signature) in split_kernels.items():
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
         results[name] = report(ptx)
+    # a paged cache: page indices copied into shared memory tiles ahead of their keys
+    paged = decode_mma_kernel("float16", 128, 128, 4, 1, True, True, False, False, 2)
+    ptx, _ = cuda.compile_ptx(paged.py_func, DECODE_SIGNATURE, cc=(9, 0))
+    results["paged-decode-mma"] = report(ptx)
     json.dump(results, sys.stdout)
 
 

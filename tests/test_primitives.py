@@ -80,7 +80,7 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 27
+    assert len(results) == 28
     for variant, facts in results.items():
         mnemonics = set(facts["mnemonics"])
         assert facts["f64_ops"] == 0, (variant, facts)
@@ -91,6 +91,8 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
             assert {"atom.add.u32", "atom.exch.b32"} <= set(facts["atomics"]), (variant, facts)
             continue
         assert facts["local_bytes"] == 0 and facts["local_ops"] == 0, (variant, facts)
+        if variant == "paged-decode-mma":
+            assert {"cp.async.ca.shared.global", "cp.async.cg.shared.global"} <= mnemonics, (variant, facts)
         if variant.startswith("simt"):
             assert "ex2.approx.f32" in mnemonics, (variant, facts)
         if variant.startswith("simt-bfloat16"):
@@ -284,6 +286,22 @@ def test_copies_from_global_addresses(rng, where):
     rows = src[:, ::2, :32].reshape(32, 32)
     expected = np.concatenate([rows[:, 8:16], rows[:, 16:24]], axis=1)
     expected[1::2, 12:] = 0
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_word_copies_from_strided_views(rng, where):
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import word_gather_kernel
+
+    table = rng.integers(-(1 << 31), 1 << 31, size=(40, 12), dtype=np.int32)
+    order = rng.permutation(40)[:32].astype(np.int32)
+    out = cuda.to_device(np.zeros(32, np.int32))
+    word_gather_kernel[1, 32](cuda.to_device(table), cuda.to_device(order), out)
+    lanes = np.arange(32)
+    expected = np.where(lanes < 24, table[:, ::3][order, lanes % 4], -1)
     assert np.array_equal(out.copy_to_host(), expected)
 
 

@@ -12,6 +12,7 @@ from numattn.kernels.ptx import (
     bulk_reduce_add_f32,
     bulk_wait,
     bulk_wait_read,
+    cp_async_4,
     cp_async_16,
     cp_async_16_at,
     cp_async_commit,
@@ -190,6 +191,22 @@ def address_copy_kernel(src, out):
     cp_async_wait_group(0)
     for c in range(16):
         out[lane, c] = tile[lane, c]
+
+
+@cuda.jit
+def word_gather_kernel(table, order, out):
+    """Lane l copies ``table[order[l], ::3][:, l % 4]`` (a strided view) into a shared int32 ring row
+    ``l % 2`` with ``cp_async_4``, then reads it back into ``out[l]``; lanes ≥ 24 copy nothing and
+    read the -1 stored before."""
+    ring = cuda.shared.array((2, 32), int32)
+    lane = cuda.threadIdx.x
+    ring[lane % 2, lane] = -1
+    view = table[:, ::3]
+    if lane < 24:
+        cp_async_4(ring, lane % 2, lane, view, (order[lane], lane % 4))
+    cp_async_commit()
+    cp_async_wait_group(0)
+    out[lane] = ring[lane % 2, lane]
 
 
 @cuda.jit

@@ -36,6 +36,7 @@ from numba import float32, int32, uint16, uint32, uint64
 from .._cuda import cuda
 from .online_softmax import softmax_steps
 from .ptx import (
+    cp_async_4,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
@@ -508,6 +509,10 @@ def merge_kernel(dtype, head_dim_v):
 
 MMA_ROWS = 16  # query rows per block (one m16 tile; a larger group takes several blocks)
 MMA_KEYS = 16  # keys per warp tile
+# A paged cache: tiles between the copy of a tile's page indices and the copies of its keys. At
+# least the ring's tiles in flight plus one, so that the indices' commit group has completed.
+PAGE_INDICES_AHEAD = 2
+
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
     """Whether the tensor-core decode kernel takes this dtype, these head dims (multiples of 16 up to
     ``MAX_MMA_HEAD_DIM``) and this alignment."""
@@ -536,6 +541,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     """
     D, DV, G, SQ, STAGES = head_dim, head_dim_v, group, seqlen_q, stages
     IN_FLIGHT = STAGES - 1  # tiles a warp has in flight while it computes on one
+    INDICES_AHEAD = max(PAGE_INDICES_AHEAD, IN_FLIGHT + 1)
+    INDEX_SLOTS = IN_FLIGHT + INDICES_AHEAD  # a warp's tiles whose page indices are in shared memory
     PAGED, HAS_SEQLENS = paged, has_seqlens
     KSTEPS, DTILES = D // 16, DV // 8
     NTILES = MMA_KEYS // 8  # n8 score tiles of a key tile
@@ -554,12 +561,12 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
 
     @cuda.jit(device=True, inline="always")
-    def key_location(page_table, b, key, end, page_size, num_pages):
-        """``(page, position)`` of key ``key`` of sequence ``b`` in a paged cache (page clamped into
-        the cache), ``(0, 0)`` for a key at or past ``end``."""
-        if key < end:
-            return min(max(page_table[b, key // page_size], 0), num_pages - 1), key % page_size
-        return 0, 0
+    def fetch_page_indices(indices, page_table, b, first, end, page_size, tile, lane):
+        """Start copying the page-table entries of keys ``first .. first + 16`` (lane ``l < 16`` copies
+        key ``first + l``'s) into row ``tile % INDEX_SLOTS`` of this warp's ``indices``."""
+        key = first + lane
+        if lane < MMA_KEYS and key < end:
+            cp_async_4(indices, tile % INDEX_SLOTS, lane, page_table, (b, key // page_size))
 
     @cuda.jit(device=True, inline="always")
     def copy_rows(dst, src, ncols, swizzled, locations, b, h_kv, first, end, lane):
@@ -590,14 +597,18 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos, c), 16 if valid else 0)
 
     @cuda.jit(device=True, inline="always")
-    def copy_keys(smem, stage_off, k, v, locations, location, b, h_kv, first, end, lane):
+    def copy_keys(smem, stage_off, k, v, locations, indices, tile, b, h_kv, first, end, lane):
         """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile).
-        With a paged cache lane ``l < 16`` brings ``location``, key ``first + l``'s ``(page, position)``
-        (loaded a tile ahead, so that the page table's latency is hidden), for ``locations``."""
+        With a paged cache lane ``l < 16`` turns the page index it copied into ``indices`` for key
+        ``first + l`` (landed: its group is older than the ring's) into the key's ``(page, position)``
+        in ``locations``, the page clamped into the cache."""
         if PAGED:
             syncwarp()  # every lane has read the previous tile's locations
+            key = first + lane
             if lane < MMA_KEYS:
-                locations[0, lane], locations[1, lane] = location
+                valid = key < end
+                locations[0, lane] = min(max(indices[tile % INDEX_SLOTS, lane], 0), k.shape[0] - 1) if valid else 0
+                locations[1, lane] = key % k.shape[2] if valid else 0
             syncwarp()
         copy_rows(tile_view(smem, stage_off, MMA_KEYS, K_ROW), k, D, K_SWIZZLED, locations, b, h_kv, first, end, lane)
         copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, V_SWIZZLED, locations, b,
@@ -645,6 +656,17 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         my_tiles = (n_tiles - warp + WARPS - 1) // WARPS  # this warp takes tiles warp, warp + WARPS, ...
         ring = Q_ELEMS + warp * WARP_RING
 
+        # a paged cache: the page indices of this warp's next tiles (each lane < 16 copies and reads
+        # its own key's), and the (page, position) of the keys of the tile it issues
+        indices = cuda.shared.array((WARPS, INDEX_SLOTS, MMA_KEYS), int32)[warp]
+        locations = cuda.shared.array((WARPS, 2, MMA_KEYS), int32)[warp]
+        page_size = k.shape[2]
+        if PAGED:
+            for j in range(IN_FLIGHT + INDICES_AHEAD):
+                if j < my_tiles:
+                    fetch_page_indices(indices, page_table, b, start + (warp + j * WARPS) * MMA_KEYS, end, page_size,
+                                       j, lane)
+            cp_async_commit()
         q_s = tile_view(smem, 0, MMA_ROWS, K_ROW)
         for idx in range(cuda.threadIdx.x, MMA_ROWS * (D // 8), NUM_THREADS):
             r, c = idx // (D // 8), (idx % (D // 8)) * 8
@@ -653,20 +675,12 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             cp_async_16(q_s, r, tile_col(K_SWIZZLED, r, c), q, (b, h, (row0 + r) % SQ if valid else 0, c),
                         16 if valid else 0)
         cp_async_commit()
-        # a paged cache: this warp's (page, position) of the keys of the tile it issues, and the
-        # location of key (next tile's first + lane % 16), loaded a tile ahead
-        locations = cuda.shared.array((WARPS, 2, MMA_KEYS), int32)[warp]
-        page_size, num_pages = k.shape[2], k.shape[0]
-        location = (0, 0)
         if PAGED:
-            location = key_location(page_table, b, start + warp * MMA_KEYS + lane % MMA_KEYS, end, page_size, num_pages)
+            cp_async_wait_group(1)  # the first tiles' page indices have landed (the Q tile may not have)
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < my_tiles:
-                copy_keys(smem, ring + j * STAGE, k, v, locations, location, b, h_kv,
+                copy_keys(smem, ring + j * STAGE, k, v, locations, indices, j, b, h_kv,
                           start + (warp + j * WARPS) * MMA_KEYS, end, lane)
-                if PAGED:
-                    location = key_location(page_table, b, start + (warp + (j + 1) * WARPS) * MMA_KEYS + lane % MMA_KEYS,
-                                            end, page_size, num_pages)
             cp_async_commit()
         cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
@@ -687,12 +701,12 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             syncwarp()  # every lane is done with the stage refilled below
             ahead = j + IN_FLIGHT
             if ahead < my_tiles:
-                copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, locations, location, b, h_kv,
+                copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, locations, indices, ahead, b, h_kv,
                           start + (warp + ahead * WARPS) * MMA_KEYS, end, lane)
-                if PAGED:
-                    location = key_location(page_table, b,
-                                            start + (warp + (ahead + 1) * WARPS) * MMA_KEYS + lane % MMA_KEYS, end,
-                                            page_size, num_pages)
+            indexed = ahead + INDICES_AHEAD  # its slot is tile j's, read when tile j was issued
+            if PAGED and indexed < my_tiles:
+                fetch_page_indices(indices, page_table, b, start + (warp + indexed * WARPS) * MMA_KEYS, end,
+                                   page_size, indexed, lane)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile j has landed
             syncwarp()

@@ -680,6 +680,35 @@ def _cp_async_16(typingctx, dst, row, col, src, index, nbytes):
 _bind(cp_async_16, _cp_async_16)
 
 
+def cp_async_4(dst, row, col, src, index):
+    """``cp_async_4(dst, row, col, src, index)``: copy the 4-byte element ``src[index]`` (any strides) to
+    ``dst[row, col]`` of a 2-D shared array of a 4-byte dtype, without holding a register for it.
+
+    Emits ``cp.async.ca.shared.global`` of 4 bytes: a small dependent value (a page index) fetched
+    well ahead of its use, completing with its commit group. The twin copies at once.
+    """
+    dst[row, col] = src[index]
+
+
+@intrinsic
+def _cp_async_4(typingctx, dst, row, col, src, index):
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst_type, row_type, col_type, src_type, index_type = sig.args
+        shared = _shared_address(context, builder, dst_type, args[0], (args[1], row_type), (args[2], col_type))
+        ptr = _global_address(context, builder, src_type, args[3], index_type, args[4])
+        _asm(builder, "cp.async.ca.shared.global [$0], [$1], 4;", "r,l,~{memory}", ir.VoidType(), [shared, ptr],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(dst, row, col, src, index), codegen
+
+
+_bind(cp_async_4, _cp_async_4)
+
+
 class _Address:
     """Twin of a global address: element ``index`` of ``array``; adding ``n`` moves it ``n`` bytes
     along the (contiguous) last axis, as adding to the real address does."""
@@ -777,7 +806,8 @@ _bind(st_global_b32_at, _st_global_b32_at)
 
 
 def cp_async_commit():
-    """``cp_async_commit()``: close the group of ``cp_async_16`` copies issued so far (``cp.async.commit_group``)."""
+    """``cp_async_commit()``: close the group of ``cp_async_16`` (and ``cp_async_4``) copies issued so far
+    (``cp.async.commit_group``)."""
 
 
 _bind(cp_async_commit, _statement_intrinsic("cp.async.commit_group;"))
