@@ -290,6 +290,32 @@ def test_copies_from_global_addresses(rng, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("headroom", [0.0, 8.0])
+def test_online_softmax_headroom(rng, where, headroom):
+    """Eager (no headroom): the reference max follows every row's running max, so each row's largest P
+    is exactly 1. Lazy: a max that grows by less than the headroom keeps the old reference."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+    from warp_kernels import softmax_update_kernel
+
+    first = rng.standard_normal((16, 16)).astype(np.float32)
+    growth = np.where(np.arange(16) % 2 == 0, 3.0, -1.0).astype(np.float32)[:, None]  # even rows' max grows by 3
+    scores = np.stack([first, first + growth])
+    p, m = cuda.to_device(np.full((2, 16, 16), np.nan, np.float32)), cuda.to_device(np.full(16, np.nan, np.float32))
+    softmax_update_kernel(headroom)[1, 32](cuda.to_device(scores), p, m)
+    p, m = p.copy_to_host(), m.copy_to_host()
+    # the first tile sets every row's reference; the second moves it only without headroom
+    references = np.stack([first.max(axis=1), scores.max(axis=(0, 2)) if headroom == 0 else first.max(axis=1)])
+    np.testing.assert_array_equal(m, references[1])
+    np.testing.assert_allclose(p, np.exp2(scores - references[:, :, None]), rtol=1e-6)
+    if headroom == 0:
+        assert np.all(p.max(axis=(0, 2)) == 1.0)
+    else:
+        np.testing.assert_allclose(p[1, ::2].max(axis=1), 8.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_word_copies_from_strided_views(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")

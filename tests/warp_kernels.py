@@ -1,7 +1,10 @@
 """Small one-warp kernels that exercise the tensor-core primitives, on the GPU or in the simulator."""
 
+import functools
+
 from numba import cuda, float32, int32, int64, uint16, uint32
 
+from numattn.kernels.online_softmax import softmax_steps
 from numattn.kernels.ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -352,3 +355,35 @@ def last_block_sum_kernel(values, counters, totals, launch):
             totals[launch, 1] = total4
         release_counter(counters, 0, 0)
 
+
+
+@functools.lru_cache(maxsize=None)
+def softmax_update_kernel(headroom):
+    """``kernel(scores, p, m)``: two 16 × 16 key tiles of scores (log2 domain) through the online softmax's
+    ``update`` with this rescale ``headroom``, as one warp's accumulator fragments: ``p[tile]`` each tile's
+    P, ``m[row]`` each row's reference max at the end."""
+    init, _, update, _, _, _ = softmax_steps(1, 2, 2, False, "bfloat16", headroom)
+
+    @cuda.jit
+    def kernel(scores, p, m):
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        row_max = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        acc = cuda.local.array((1, 2, 4), float32)
+        s = cuda.local.array((1, 2, 4), float32)
+        init(m_i, l_i, acc)
+        for tile in range(2):
+            for nt in range(2):
+                for e in range(4):
+                    s[0, nt, e] = scores[tile, g + 8 * (e // 2), 8 * nt + 2 * t + e % 2]
+            update(s, m_i, l_i, row_max, alpha)
+            for nt in range(2):
+                for e in range(4):
+                    p[tile, g + 8 * (e // 2), 8 * nt + 2 * t + e % 2] = s[0, nt, e]
+        if t == 0:
+            m[g], m[g + 8] = m_i[0], m_i[1]
+
+    return kernel

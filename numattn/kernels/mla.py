@@ -29,7 +29,13 @@ import numpy as np
 from numba import float32, int32, uint16
 
 from .._cuda import cuda
-from .mla_wgmma import HEADS_PER_BLOCK, PERSISTENT_HEADS, mla_wgmma_kernel, mla_wgmma_shared_bytes
+from .mla_wgmma import (
+    HEADS_PER_BLOCK,
+    PERSISTENT_HEADS,
+    mla_wgmma_kernel,
+    mla_wgmma_shared_bytes,
+    softmax_headroom,
+)
 from .online_softmax import quad_sum, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -235,7 +241,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     narrow = NARROW[dtype]
-    init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
+    init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype, softmax_headroom(dtype))
 
     @cuda.jit(device=True, inline="always")
     def copy_tile(smem, stage, ckv, kpe, page_table, b, first, end, tid):

@@ -24,7 +24,8 @@ _LN2 = np.float32(math.log(2.0))
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
-RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move
+RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must move (lazy rescaling)
+EAGER = np.float32(0.0)  # no headroom: the reference max is the running max
 
 
 @cuda.jit(device=True, inline="always")
@@ -36,13 +37,15 @@ def quad_sum(x):
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
+def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
     """Device functions ``(init, scale_and_mask, update, rescale, normalize, store)`` for one tile shape.
 
     ``warp_m`` m16 tiles per warp, ``ntiles`` n8 score tiles per key tile,
-    ``dtiles`` n8 output tiles, ``dtype`` the output element type.
+    ``dtiles`` n8 output tiles, ``dtype`` the output element type; ``headroom`` (log2) how far a
+    row's max may exceed the softmax's reference max before the reference moves (0: eager rescaling).
     """
     WARP_M, NTILES, DTILES, CAUSAL = warp_m, ntiles, dtiles, causal
+    HEADROOM = np.float32(headroom)
     CHAINS = min(4, ntiles)  # partial maxima and sums per row
     narrow = NARROW[dtype]
 
@@ -86,8 +89,11 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
         Returns whether the output accumulator must be rescaled by ``alpha``
         (one factor per lane row) before this tile's ``P V`` is added.
         Lazy rescaling: the reference max ``m_i`` moves only when a row's max
-        exceeds it by more than ``RESCALE`` (P then stays below 2**RESCALE), and
-        the warp decides together, so most key tiles skip rescaling.
+        exceeds it by more than ``headroom`` (P then stays below 2**headroom), and
+        the warp decides together, so most key tiles skip rescaling. With no headroom
+        (``EAGER``) the reference is the running max and a row's largest P is exactly 1;
+        lazily, the dominant P are rounded when P is packed to 16 bits for ``P V``, which
+        costs bf16 outputs a few percent of accuracy (see benchmarks, MLA decode).
         """
         grow = False
         partial = cuda.local.array(CHAINS, float32)  # independent chains keep the reductions short
@@ -104,7 +110,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype):
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
                 row_max[r] = m_tile
-                grow = grow or m_tile > m_i[r] + RESCALE
+                grow = grow or m_tile > m_i[r] + HEADROOM
         rescale = ballot(grow) != 0
         if rescale:
             for r in range(2 * WARP_M):
