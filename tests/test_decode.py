@@ -417,6 +417,55 @@ def test_decode_split_workspace_shared_across_plans_and_streams(rng):
             assert max_error(out, tensors[i // 3][3]) <= ATOL["float16"]
 
 
+class _HostBuffer(np.ndarray):
+    def data_ptr(self):
+        return self.ctypes.data
+
+
+class _RecordingTorch:
+    """The part of torch that ``SplitWorkspaces`` uses, with host buffers and a capture switch."""
+
+    int32 = np.int32
+
+    def __init__(self):
+        self.capturing = False
+        self._C = SimpleNamespace(_cuda_isCurrentStreamCapturing=lambda: self.capturing)
+
+    @staticmethod
+    def device(kind, index):
+        return kind, index
+
+    @staticmethod
+    def zeros(words, dtype, device):
+        return np.zeros(words, dtype).view(_HostBuffer)
+
+
+def test_split_workspace_getter_reuses_grows_and_isolates_captures():
+    """A plan's per-call workspace lookup: one buffer per (device, stream), reused while large enough,
+    replaced by a larger one when a plan needs more (which then serves the smaller plan too), and a
+    fresh zeroed buffer per call while a graph is captured on a stream other than the legacy default."""
+    from numattn.ops.workspace import _BUFFERS, SplitWorkspaces
+
+    fake, device = _RecordingTorch(), 97
+    small = SplitWorkspaces.getter(fake, device, 4, 100)
+    large = SplitWorkspaces.getter(fake, device, 8, 1000)
+    try:
+        counters, part, first = small(5)
+        assert (counters, part, first.size) == (first.data_ptr(), first.data_ptr() + 16, 100)
+        assert small(5)[2] is first
+        counters, part, grown = large(5)
+        assert grown is not first and grown.size >= 1000 and part == counters + 4 * 8
+        assert small(5)[2] is grown and small(6)[2] is not grown
+        fake.capturing = True
+        captured = [small(5)[2] for _ in range(2)]
+        assert captured[0] is not captured[1] and all(buffer is not grown for buffer in captured)
+        assert all(buffer.size == 100 and not buffer.any() for buffer in captured)
+        assert small(0)[2] is small(0)[2]  # the legacy default stream cannot capture
+    finally:
+        for key in [key for key in _BUFFERS if key[0] == device]:
+            del _BUFFERS[key]
+
+
 def test_decode_from_numpy_and_numba(rng):
     """Host arrays (on a GPU machine copied to the device and back) and numba device arrays."""
     from numba import cuda

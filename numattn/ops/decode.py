@@ -434,30 +434,42 @@ class _TorchPlan(_DevicePlan):
         import torch
 
         self._torch = torch
-        self._get_device, self._stream = torch_current()
-        self._single_device = torch.cuda.device_count() == 1
         self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
+        self._run = self.runner(self.launch)
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
-        return self.run(self.launch, out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
-                        tensor_pointer(seqlens))
+        return self._run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
+                         tensor_pointer(seqlens))
 
-    def run(self, launch, out, *inputs):
-        """Allocate the outputs (``out`` used when given) and queue ``launch`` (``self.launch`` or a
-        ``bound_launch``) on its input pointers; returns ``out`` or ``(out, lse)``."""
-        p = self.problem
-        if not self._single_device and self._get_device() != p.device:
-            with self._torch.cuda.device(p.device):
-                return self.run(launch, out, *inputs)
-        out, lse, _, _, _ = self.outputs.allocate(out)
-        stream = self._stream(p.device)
-        part = part_lse = counters = 0
-        if self.split:
-            counters, part, _held = SplitWorkspaces.get(  # held until the launch is queued
-                self._torch, p.device, stream, self.workspace.counter_words, self.workspace.words)
-            part_lse = part + self.workspace.part_lse_offset
-        launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters)
-        return (out, lse) if lse is not None else out
+    def runner(self, launch):
+        """``run(out, *inputs)``: allocate the outputs (``out`` used when given), queue ``launch``
+        (``self.launch`` or a ``bound_launch``) on the input pointers on torch's current stream, and
+        return ``out`` or ``(out, lse)``. Everything a call looks up is bound here, once: this is a
+        decode loop's host path."""
+        p, torch = self.problem, self._torch
+        device, out_template, lse_template = p.device, self.outputs.out_template, self.outputs.lse_template
+        get_device, current_stream = torch_current()
+        single_device, empty_like = torch.cuda.device_count() == 1, torch.empty_like
+        workspace = (SplitWorkspaces.getter(torch, device, self.workspace.counter_words, self.workspace.words)
+                     if self.split else None)
+        part_lse_offset = self.workspace.part_lse_offset
+
+        def run(out, *inputs):
+            if not single_device and get_device() != device:
+                with torch.cuda.device(device):
+                    return run(out, *inputs)
+            if out is None:
+                out = empty_like(out_template)
+            lse = None if lse_template is None else empty_like(lse_template)
+            stream = current_stream(device)
+            part = part_lse = counters = 0
+            if workspace is not None:
+                counters, part, _held = workspace(stream)  # held until the launch is queued
+                part_lse = part + part_lse_offset
+            launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters)
+            return out if lse is None else (out, lse)
+
+        return run
 
 
 def tensor_pointer(x):
@@ -475,8 +487,9 @@ class TorchOutputs:
     def __init__(self, torch, device, dtype, out_shape, lse_shape, part_shape):
         one = torch.empty(1, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
         self._empty_like = torch.empty_like
-        self._out = one.expand(out_shape)
-        self._lse = one.float().expand(lse_shape) if lse_shape is not None else None
+        # expanded views of one element: ``empty_like`` of these is torch's cheapest allocation of the shape
+        self.out_template = one.expand(out_shape)
+        self.lse_template = one.float().expand(lse_shape) if lse_shape is not None else None
         self._part_size = int(np.prod(part_shape)) if part_shape is not None else 0
         self._workspace = (one.float().expand(self._part_size + self._part_size // part_shape[-1])
                            if part_shape is not None else None)
@@ -486,8 +499,8 @@ class TorchOutputs:
         workspace); a given ``out`` is used as it is."""
         empty_like = self._empty_like
         if out is None:
-            out = empty_like(self._out)
-        lse = empty_like(self._lse) if self._lse is not None else None
+            out = empty_like(self.out_template)
+        lse = empty_like(self.lse_template) if self.lse_template is not None else None
         if self._workspace is None:
             return out, lse, None, 0, 0
         workspace = empty_like(self._workspace)
@@ -812,8 +825,8 @@ class DecodePlan:
         if self._torch:
             self._plan = _make_plan(problem, _tuned_splits(problem))
             # on the GPU the caches' pointers are fixed in the launch (CPU tensors: the simulator's plan)
-            self._launch = (self._plan.bound_launch(*map(tensor_pointer, self._bound))
-                            if isinstance(self._plan, _TorchPlan) else None)
+            self._run = (self._plan.runner(self._plan.bound_launch(*map(tensor_pointer, self._bound)))
+                         if isinstance(self._plan, _TorchPlan) else None)
             self._q_signature = _tensor_signature(q)[0]
             self._out_signature = self._q_signature[:2] + (
                 type(q.shape)(problem.out_shape), contiguous_strides(problem.out_shape), q.device)
@@ -835,9 +848,9 @@ class DecodePlan:
                                  f"(strides {strides}), got {_signature_text(given)}")
         if check and self._lengths is not None and not _capturing(self.problem):
             _check_values(self.problem, self._table, self._lengths)
-        if self._launch is None:
+        if self._run is None:
             return self._plan(q, *self._bound, out)
-        return self._plan.run(self._launch, out, address)
+        return self._run(out, address)
 
 
 def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):

@@ -21,10 +21,15 @@ class WorkspaceLayout:
         return part, part + self.part_lse_offset
 
 
+def capture_check(torch):
+    """torch's cheapest test of whether it captures a CUDA graph on its current stream (a private fast
+    path where it has one), as a function of no arguments."""
+    return getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def capturing_now(torch):
-    """Whether torch captures a CUDA graph on its current stream (torch's private fast path where it has one)."""
-    check = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
-    return check() if check is not None else torch.cuda.is_current_stream_capturing()
+    """Whether torch captures a CUDA graph on its current stream."""
+    return capture_check(torch)()
 
 
 _BUFFERS = {}  # (device, stream) -> (counters pointer, partials pointer, buffer, counter words, partial words)
@@ -58,3 +63,18 @@ class SplitWorkspaces:
             pointer = buffer.data_ptr()
             entry = _BUFFERS[(device, stream)] = (pointer, pointer + 4 * counters, buffer, counters, rest)
         return entry[0], entry[1], entry[2]
+
+    @classmethod
+    def getter(cls, torch, device, counter_words, words):
+        """``get(stream)``: ``get(torch, device, stream, counter_words, words)`` for one launch's needs,
+        a dictionary lookup when the stream's workspace is large enough and no graph is being
+        captured (a decode loop's per-call path)."""
+        capturing, partial_words = capture_check(torch), words - counter_words
+
+        def get(stream):
+            entry = _BUFFERS.get((device, stream))
+            if entry is None or entry[3] < counter_words or entry[4] < partial_words or (stream and capturing()):
+                return cls.get(torch, device, stream, counter_words, words)
+            return entry[0], entry[1], entry[2]
+
+        return get
