@@ -356,7 +356,6 @@ def last_block_sum_kernel(values, counters, totals, launch):
         release_counter(counters, 0, 0)
 
 
-
 @functools.lru_cache(maxsize=None)
 def softmax_update_kernel(headroom):
     """``kernel(scores, p, m)``: two 16 × 16 key tiles of scores (log2 domain) through the online softmax's

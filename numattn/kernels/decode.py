@@ -561,6 +561,11 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
 
     @cuda.jit(device=True, inline="always")
+    def tile_first(start, warp, tile):
+        """First key of a warp's ``tile``-th key tile: the warps take the split's 16-key tiles in turn."""
+        return start + (warp + tile * WARPS) * MMA_KEYS
+
+    @cuda.jit(device=True, inline="always")
     def fetch_page_indices(indices, page_table, b, first, end, page_size, tile, lane):
         """Start copying the page-table entries of keys ``first .. first + 16`` (lane ``l < 16`` copies
         key ``first + l``'s) into row ``tile % INDEX_SLOTS`` of this warp's ``indices``."""
@@ -664,7 +669,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         if PAGED:
             for j in range(IN_FLIGHT + INDICES_AHEAD):
                 if j < my_tiles:
-                    fetch_page_indices(indices, page_table, b, start + (warp + j * WARPS) * MMA_KEYS, end, page_size,
+                    fetch_page_indices(indices, page_table, b, tile_first(start, warp, j), end, page_size,
                                        j, lane)
             cp_async_commit()
         q_s = tile_view(smem, 0, MMA_ROWS, K_ROW)
@@ -680,7 +685,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < my_tiles:
                 copy_keys(smem, ring + j * STAGE, k, v, locations, indices, j, b, h_kv,
-                          start + (warp + j * WARPS) * MMA_KEYS, end, lane)
+                          tile_first(start, warp, j), end, lane)
             cp_async_commit()
         cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
@@ -702,10 +707,10 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             ahead = j + IN_FLIGHT
             if ahead < my_tiles:
                 copy_keys(smem, ring + (ahead % STAGES) * STAGE, k, v, locations, indices, ahead, b, h_kv,
-                          start + (warp + ahead * WARPS) * MMA_KEYS, end, lane)
+                          tile_first(start, warp, ahead), end, lane)
             indexed = ahead + INDICES_AHEAD  # its slot is tile j's, read when tile j was issued
             if PAGED and indexed < my_tiles:
-                fetch_page_indices(indices, page_table, b, start + (warp + indexed * WARPS) * MMA_KEYS, end,
+                fetch_page_indices(indices, page_table, b, tile_first(start, warp, indexed), end,
                                    page_size, indexed, lane)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile j has landed
@@ -727,7 +732,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                                                                      s[0, 0, 2], s[0, 0, 3])
                 s[0, 1, 0], s[0, 1, 1], s[0, 1, 2], s[0, 1, 3] = mma(a0, a1, a2, a3, b2, b3, s[0, 1, 0], s[0, 1, 1],
                                                                      s[0, 1, 2], s[0, 1, 3])
-            n0 = start + (warp + j * WARPS) * MMA_KEYS
+            n0 = tile_first(start, warp, j)
             masked = n0 + MMA_KEYS > end or (SQ > 1 and n0 + MMA_KEYS - 1 > seqlen - SQ)
             scale_and_mask(s, scale_log2, masked, n0, end, seqlen - SQ, row0, g, t)
             if update(s, m_i, l_i, row_max, alpha):
