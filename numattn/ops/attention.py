@@ -352,6 +352,9 @@ class _TorchPlan(_DevicePlan):
         one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
         self._out_template = one.expand(p.out_shape)
         self._lse_template = one.float().expand(p.lse_shape)
+        layout = self.workspace
+        self._split_workspace = (None if layout is None else
+                                 SplitWorkspaces.getter(torch, p.device, layout.counter_words, layout.words))
 
     def __call__(self, q, k, v, out):
         p = self.problem
@@ -371,8 +374,7 @@ class _TorchPlan(_DevicePlan):
         if self.workspace is None:
             self.launch(stream, q, k, v, out, lse)
             return
-        counters, part, _held = SplitWorkspaces.get(  # held until the launch is queued
-            self._torch, self.problem.device, stream, self.workspace.counter_words, self.workspace.words)
+        counters, part, _held = self._split_workspace(stream)  # held until the launch is queued
         self.launch_attention(stream, q, k, v, out, lse, part, part + self.workspace.part_lse_offset, counters)
 
 

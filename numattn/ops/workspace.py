@@ -47,34 +47,25 @@ class SplitWorkspaces:
     zeroed buffer, allocated (and its zeroing recorded) in the graph.
     """
 
-    @classmethod
-    def get(cls, torch, device, stream, counter_words, words):
-        """``(counters pointer, partials pointer, buffer)`` of a workspace with at least ``counter_words``
-        zero counters and ``words - counter_words`` words for partials after all of its counters; the buffer
-        must stay referenced until the launch is queued."""
-        if stream and capturing_now(torch):  # the legacy default stream (handle 0) cannot capture
-            buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
-            return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
-        entry = _BUFFERS.get((device, stream))
-        if entry is None or entry[3] < counter_words or entry[4] < words - counter_words:
-            counters = max(counter_words, entry[3] if entry else 0)
-            rest = max(words - counter_words, entry[4] if entry else 0)
-            buffer = torch.zeros(counters + rest, dtype=torch.int32, device=torch.device("cuda", device))
-            pointer = buffer.data_ptr()
-            entry = _BUFFERS[(device, stream)] = (pointer, pointer + 4 * counters, buffer, counters, rest)
-        return entry[0], entry[1], entry[2]
-
-    @classmethod
-    def getter(cls, torch, device, counter_words, words):
-        """``get(stream)``: ``get(torch, device, stream, counter_words, words)`` for one launch's needs,
-        a dictionary lookup when the stream's workspace is large enough and no graph is being
-        captured (a decode loop's per-call path)."""
+    @staticmethod
+    def getter(torch, device, counter_words, words):
+        """``get(stream)``: ``(counters pointer, partials pointer, buffer)`` of a workspace on ``stream`` with at
+        least ``counter_words`` zero counters and ``words - counter_words`` words for partials after all of its
+        counters; the buffer must stay referenced until the launch is queued. Bound once per plan: a call is a
+        dictionary lookup while the stream's workspace is large enough and no graph is being captured."""
         capturing, partial_words = capture_check(torch), words - counter_words
 
         def get(stream):
+            if stream and capturing():  # the legacy default stream (handle 0) cannot capture
+                buffer = torch.zeros(words, dtype=torch.int32, device=torch.device("cuda", device))
+                return buffer.data_ptr(), buffer.data_ptr() + 4 * counter_words, buffer
             entry = _BUFFERS.get((device, stream))
-            if entry is None or entry[3] < counter_words or entry[4] < partial_words or (stream and capturing()):
-                return cls.get(torch, device, stream, counter_words, words)
+            if entry is None or entry[3] < counter_words or entry[4] < partial_words:
+                counters = max(counter_words, entry[3] if entry else 0)
+                rest = max(partial_words, entry[4] if entry else 0)
+                buffer = torch.zeros(counters + rest, dtype=torch.int32, device=torch.device("cuda", device))
+                pointer = buffer.data_ptr()
+                entry = _BUFFERS[(device, stream)] = (pointer, pointer + 4 * counters, buffer, counters, rest)
             return entry[0], entry[1], entry[2]
 
         return get
