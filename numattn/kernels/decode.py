@@ -502,7 +502,6 @@ def merge_kernel(dtype, head_dim_v):
     return cuda.jit(kernel)
 
 
-
 # --------------------------------------------------------------------------
 # Tensor-core decode: the query rows of a KV head's group are the 16 rows of an mma tile
 # --------------------------------------------------------------------------
@@ -512,6 +511,7 @@ MMA_KEYS = 16  # keys per warp tile
 # A paged cache: tiles between the copy of a tile's page indices and the copies of its keys. At
 # least the ring's tiles in flight plus one, so that the indices' commit group has completed.
 PAGE_INDICES_AHEAD = 2
+
 
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
     """Whether the tensor-core decode kernel takes this dtype, these head dims (multiples of 16 up to
