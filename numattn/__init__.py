@@ -2,16 +2,29 @@
 
 from . import _cuda  # noqa: F401  (first: picks GPU or simulator before numba.cuda loads)
 from . import reference
-from ._cuda import SIMULATOR
+from ._cuda import SIMULATOR, simulate
 from .ops.attention import attention
 from .ops.decode import DecodePlan, csr_page_table, decode, decode_plan, merge_states, paged_decode, paged_decode_plan
 from .ops.mla import mla_decode
-from .search import bfloat16, float16, float32, new_kernel_graph
+from .search import bfloat16, float16, float32, new_kernel_graph, superoptimize
 from .search.functional import tune
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "__version__",
-    "new_kernel_graph", "float16", "bfloat16", "float32", "tune",
+    "attention", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "simulate", "__version__",
+    "new_kernel_graph", "superoptimize", "float16", "bfloat16", "float32", "tune",
 ]
+
+
+def __getattr__(name):
+    """``numattn.torch`` on first access (PEP 562), so that ``import numattn`` does not import torch."""
+    if name != "torch":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        raise ImportError("numattn.torch needs PyTorch: pip install torch (or pip install \"numattn[torch]\")") from e
+    import importlib
+
+    return importlib.import_module(".torch", __name__)

@@ -79,6 +79,15 @@ def _cai_device(ptr):
     return ordinal if err == driver.CUresult.CUDA_SUCCESS else cuda.get_current_device().id
 
 
+def _check_byte_order(order, spelling, name):
+    """TypeError for elements stored in the other byte order than this machine's ('>' on x86 and Arm)."""
+    if order not in ("=", "|", np.dtype("=f4").str[0]):
+        raise TypeError(
+            f"{name} has non-native byte order ({spelling!r}); convert it first, e.g. "
+            f"{name}.astype({name}.dtype.newbyteorder('='))"
+        )
+
+
 def describe(x, name):
     """``Operand`` for argument ``name``; TypeError for objects that are not arrays."""
     if is_torch(x):
@@ -92,15 +101,18 @@ def describe(x, name):
         ptr = x.data_ptr() if device is not None else 0
         return Operand("torch", dtype, tuple(x.shape), tuple(x.stride()), device, ptr)
     if isinstance(x, np.ndarray):
+        _check_byte_order(x.dtype.byteorder, x.dtype.str, name)
         dtype = _numpy_dtype_name(x.dtype)
         return Operand("numpy", dtype, x.shape, _element_strides(x.strides, x.itemsize, name), None)
     if isinstance(x, _NumbaDeviceArray) and SIMULATOR:  # the simulator's device arrays wrap numpy
         host = x._ary
+        _check_byte_order(host.dtype.byteorder, host.dtype.str, name)
         strides = _element_strides(host.strides, host.itemsize, name)
         return Operand("numba", _numpy_dtype_name(host.dtype), host.shape, strides, 0)
     if hasattr(x, "__cuda_array_interface__"):
         cai = x.__cuda_array_interface__
         typestr = cai["typestr"]
+        _check_byte_order(typestr[0], typestr, name)
         dtype = _TYPESTR.get(typestr[1:], typestr)
         itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 1
         shape = tuple(cai["shape"])
@@ -179,6 +191,29 @@ def host_storage(x, op):
     elif op.kind == "numba":
         x = x._ary if hasattr(x, "_ary") else x.copy_to_host()
     return x.view(_STORAGE[op.dtype])
+
+
+def float32_values(storage, dtype):
+    """The float32 values of host ``storage`` holding ``dtype`` elements (16-bit floats as their uint16
+    bits, see ``storage_dtype``): exact."""
+    if dtype == "float32":
+        return storage
+    if dtype == "float16":
+        return storage.view(np.float16).astype(np.float32)
+    return (storage.astype(np.uint32) << 16).view(np.float32)
+
+
+def rounded_storage(values, dtype):
+    """Host storage of ``dtype`` elements holding float32 ``values`` rounded to the nearest, ties to even
+    (a bf16 NaN keeps its sign and top payload bits, quieted)."""
+    values = np.asarray(values, dtype=np.float32)
+    if dtype == "float32":
+        return values
+    if dtype == "float16":
+        return values.astype(np.float16).view(np.uint16)
+    u = values.view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16
+    return np.where(np.isnan(values), (u >> 16) | np.uint32(0x0040), rounded).astype(np.uint16)
 
 
 def wrap_host(storage, like, dtype):

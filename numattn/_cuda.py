@@ -1,15 +1,21 @@
-"""Numba CUDA set-up that every numattn module relies on.
+"""Numba CUDA set-up that every numattn module relies on, and where host arrays run.
 
 Imported before anything else in the package:
 
 * On a machine without a usable NVIDIA GPU (and with ``NUMBA_ENABLE_CUDASIM``
-  unset), numba's CUDA simulator is selected, so the same kernels run on the
-  CPU. The choice is made before ``numba.cuda`` is first imported; if the
+  unset), numba's CUDA simulator is selected, so that the GPU kernels can run on
+  the CPU. The choice is made before ``numba.cuda`` is first imported; if the
   caller imported ``numba.cuda`` already, its mode is kept.
+* Host arrays on a machine without a GPU run on the CPU path (numba's CPU JIT,
+  ``kernels/cpu.py``), unless ``NUMATTN_SIMULATE=1`` is set or the call runs
+  inside ``numattn.simulate()``: then the GPU kernels run in the simulator, one
+  thread per CUDA thread, which checks their logic (the tests) but is slow.
 * numba-cuda 0.30 registers an overload for ``np.row_stack``, which numpy 2.5
   removed; the name is restored as a thin wrapper of ``np.vstack``.
 """
 
+import contextlib
+import contextvars
 import ctypes
 import os
 import sys
@@ -46,6 +52,41 @@ from numba import cuda  # noqa: E402
 from numba.cuda.core import config as _numba_config  # noqa: E402
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
-"""True when kernels run in numba's CUDA simulator on the CPU."""
+"""True when ``numba.cuda`` is numba's CUDA simulator (no GPU found, or ``NUMBA_ENABLE_CUDASIM=1``)."""
 
-__all__ = ["cuda", "SIMULATOR"]
+_SIMULATING = contextvars.ContextVar(
+    "numattn_simulating", default=SIMULATOR and os.environ.get("NUMATTN_SIMULATE", "") not in ("", "0"))
+
+
+def simulating():
+    """Whether host arrays run the GPU kernels in numba's CUDA simulator (rather than the CPU path)."""
+    return _SIMULATING.get()
+
+
+@contextlib.contextmanager
+def simulate(enabled=True):
+    """Within this context (in this thread), host arrays run numattn's GPU kernels in numba's CUDA
+    simulator instead of the CPU path: slow, for checking the kernels' logic on a machine without a
+    GPU. ``NUMATTN_SIMULATE=1`` in the environment makes it the default there. ``simulate(False)``
+    selects the CPU path. RuntimeError where numba runs on a GPU (numba chooses the simulator when it
+    loads: ``NUMBA_ENABLE_CUDASIM=1``).
+
+    Examples
+    --------
+    >>> import numpy as np, numattn
+    >>> q = np.random.default_rng(0).standard_normal((1, 2, 8, 16), dtype=np.float32)
+    >>> with numattn.simulate():
+    ...     numattn.attention(q, q, q).shape
+    (1, 2, 8, 16)
+    """
+    if enabled and not SIMULATOR:
+        raise RuntimeError("numba runs on a GPU in this process; set NUMBA_ENABLE_CUDASIM=1 before importing "
+                           "numattn to run its kernels in the simulator")
+    token = _SIMULATING.set(bool(enabled) and SIMULATOR)
+    try:
+        yield
+    finally:
+        _SIMULATING.reset(token)
+
+
+__all__ = ["cuda", "SIMULATOR", "simulate", "simulating"]

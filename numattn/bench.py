@@ -7,9 +7,16 @@ inputs, then the host overhead per call: back-to-back calls on tiny inputs
 timed with a host clock, next to torch's own per-op overhead. With ``--decode``
 it adds the decode targets: ``decode`` and ``paged_decode`` (pages of 1, 16 and
 64 keys) against SDPA's GQA backends, in µs and effective GB/s; with ``--mla``,
-``mla_decode`` in FlashInfer's GB/s metric next to the device copy rate.
+``mla_decode`` in FlashInfer's GB/s metric next to the device copy rate; with
+``--graph``, Mirage's GQA graph against every SDPA backend on the inputs it is
+fastest with (contiguous 4-D, transposes outside the timed region); with
+``--checked``, the decode functions' default ``check=True`` against
+``check=False``; ``--only`` leaves out the attention table and host overhead.
+SDPA backends are selected with ``sdpa_kernel`` around a whole timing, so the
+timed calls are plain SDPA calls.
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -91,7 +98,6 @@ def bench_attention(shapes, dtypes=("float16", "bfloat16", "float32"), causals=(
     """Rows of {shape, dtype, causal, <impl>_ms, <impl>_tflops} for numattn and SDPA backends."""
     torch = _torch()
     import numattn
-    from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     rows = []
@@ -105,19 +111,21 @@ def bench_attention(shapes, dtypes=("float16", "bfloat16", "float32"), causals=(
                 flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal)
                 row = {"shape": (batch, heads, seqlen, head_dim), "dtype": dtype, "causal": causal}
                 impls = {"numattn": lambda: numattn.attention(q, k, v, causal=causal)}
-                for name, backend in _sdpa_backends(torch).items():
-                    impls[name] = lambda backend=backend: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal)
+                for name in _sdpa_backends(torch):
+                    impls[name] = lambda: sdpa(q, k, v, is_causal=causal)
                 _time_into(row, impls, flops)
                 rows.append(row)
     return rows
 
 
 def _time_into(row, impls, flops, repeat=20):
-    """``row[<name>_ms]`` and ``row[<name>_tflops]`` for each ``name: fn`` of ``impls`` (``cuda_time_ms``);
-    an implementation that raises (an SDPA backend that does not support the case) gets None and its error."""
+    """``row[<name>_ms]`` and ``row[<name>_tflops]`` for each ``name: fn`` of ``impls`` (``cuda_time_ms``,
+    SDPA backends' calls inside their ``sdpa_kernel`` context); an implementation that raises (an SDPA
+    backend that does not support the case) gets None and its error."""
     for name, fn in impls.items():
         try:
-            ms = cuda_time_ms(fn, repeat=repeat)
+            with backend_context(name):
+                ms = cuda_time_ms(fn, repeat=repeat)
         except RuntimeError as exc:
             row[f"{name}_ms"] = None
             row[f"{name}_error"] = str(exc).splitlines()[0][:80]
@@ -126,9 +134,16 @@ def _time_into(row, impls, flops, repeat=20):
         row[f"{name}_tflops"] = flops / ms / 1e9
 
 
-def _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal):
-    with sdpa_kernel(backend):
-        return sdpa(q, k, v, is_causal=causal)
+def backend_context(name):
+    """``sdpa_kernel`` restricted to SDPA backend ``name`` (a key of ``_sdpa_backends``), entered around a
+    whole timing so that the timed calls are plain SDPA calls; a null context for other names."""
+    torch = _torch()
+    backends = _sdpa_backends(torch)
+    if name not in backends:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(backends[name])
 
 
 def bench_host_overhead():
@@ -202,7 +217,6 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
     """
     torch = _torch()
     import numattn
-    from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     rows = []
@@ -219,12 +233,13 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
             impls[f"paged{page_size}"] = (
                 lambda kp=k_pages, vp=v_pages, t=table: numattn.paged_decode(q, kp, vp, t, lengths, check=False)
             )
-        q4 = q.unsqueeze(2)
-        for name, backend in _sdpa_backends(torch).items():
-            impls[name] = lambda backend=backend: _with_backend_gqa(sdpa_kernel, backend, sdpa, q4, k, v)
+        q4 = q.unsqueeze(2).contiguous()
+        for name in _sdpa_backends(torch):
+            impls[name] = lambda: sdpa(q4, k, v, enable_gqa=True)
         for name, fn in impls.items():
             try:
-                ms = cuda_time_ms(fn)
+                with backend_context(name):
+                    ms = cuda_time_ms(fn)
             except RuntimeError as exc:
                 row[f"{name}_us"] = None
                 row[f"{name}_error"] = str(exc).splitlines()[0][:80]
@@ -325,11 +340,6 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
     return rows
 
 
-def _with_backend_gqa(sdpa_kernel, backend, sdpa, q, k, v):
-    with sdpa_kernel(backend):
-        return sdpa(q, k, v, enable_gqa=True)
-
-
 def print_decode_table(rows):
     impls = [name[:-3] for name in rows[0] if name.endswith("_us")]
     print(f"{'B,Hq,Hkv,L,D':>20} {'dtype':>8} " + " ".join(f"{i + ' µs':>12} {'GB/s':>6}" for i in impls))
@@ -380,7 +390,6 @@ def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, Tru
     torch = _torch()
     import numattn
     import numattn.torch as nt
-    from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     rows = []
@@ -398,9 +407,8 @@ def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, Tru
                 forward(q, k, v).backward(do)
 
             impls = {"numattn": lambda: step(lambda q, k, v: nt.attention(q, k, v, causal=causal))}
-            for name, backend in _sdpa_backends(torch).items():
-                impls[name] = lambda backend=backend: step(
-                    lambda q, k, v: _with_backend(sdpa_kernel, backend, sdpa, q, k, v, causal))
+            for name in _sdpa_backends(torch):
+                impls[name] = lambda: step(lambda q, k, v: sdpa(q, k, v, is_causal=causal))
             _time_into(row, impls, flops, repeat=10)
             row["numattn_fwd_ms"] = cuda_time_ms(
                 lambda: numattn.attention(q.detach(), k.detach(), v.detach(), causal=causal, return_lse=True), repeat=10)
@@ -437,10 +445,11 @@ def loop_us(fn, calls=1000, warmup=20):
 
 
 def bench_graph(batches=(1, 8)):
-    """W6: the superoptimized Mirage GQA graph against SDPA and torch eager on the same inputs, with
-    the search time uncached and from the cache (a fresh cache directory)."""
+    """W6: the superoptimized Mirage GQA graph on the graph's inputs, against each SDPA backend on the
+    inputs it is fastest with (contiguous 4-D ``[1, 2b, seqlen, head_dim]``, the keys transposed outside
+    the timed region) and torch eager on the graph's inputs; the search time uncached and from the
+    cache (a fresh cache directory)."""
     import tempfile
-    import time
 
     torch = _torch()
     F = torch.nn.functional
@@ -450,24 +459,82 @@ def bench_graph(batches=(1, 8)):
         for b in batches:
             row = {"b": b}
             t0 = time.perf_counter()
-            opt = mirage_gqa_graph(b).superoptimize(config="attention")
+            opt = mirage_gqa_graph(b).superoptimize(config="attention", verbose=False)
             row["search_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            mirage_gqa_graph(b).superoptimize(config="attention")
+            mirage_gqa_graph(b).superoptimize(config="attention", verbose=False)
             row["cached_search_s"] = time.perf_counter() - t0
             row["winner"] = opt.plan.describe()
             q, k, v = (torch.rand(t.dims, device="cuda", dtype=torch.float16) * 2 - 1 for t in opt.graph.inputs)
             ref = F.scaled_dot_product_attention(q.double(), k.transpose(1, 2).double(), v.double(), scale=1.0)
             row["max_error"] = (opt(q, k, v)[0].double() - ref).abs().max().item()
+            q4, k4, v4 = (x.unsqueeze(0).contiguous() for x in (q, k.transpose(1, 2), v))
 
             def eager():
                 e = torch.exp(torch.matmul(q, k))
                 return torch.matmul(e / e.sum(2, keepdim=True), v)
 
             row["numattn_us"] = loop_us(lambda: opt(q, k, v))
-            row["sdpa_us"] = loop_us(lambda: F.scaled_dot_product_attention(q, k.transpose(1, 2), v, scale=1.0))
+            for name in _sdpa_backends(torch):
+                try:
+                    with backend_context(name):
+                        row[f"{name}_us"] = loop_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=1.0))
+                except RuntimeError:  # a backend that does not take these inputs
+                    row[f"{name}_us"] = None
+            timed = {name: row[f"{name}_us"] for name in _sdpa_backends(torch) if row[f"{name}_us"] is not None}
+            row["best_sdpa"] = min(timed, key=timed.get)
             row["eager_us"] = loop_us(eager)
             rows.append(row)
+    return rows
+
+
+# the default (checked) call against check=False: mla_decode in FlashInfer's benchmark layout (rank 512,
+# rope 64, fp16; (batch, heads, seqlen, page_size)), paged_decode (pages of 16) and decode with seqlens on W1
+CHECKED_MLA_SHAPES = [(768, 64, 2048, 1), (768, 16, 1024, 64)]
+
+
+def checked_calls(torch):
+    """``{name: call(check)}``: the calls whose default ``check=True`` ``bench_checked`` measures, on
+    fresh random inputs."""
+    import numattn
+
+    calls = {}
+    for batch, heads, seqlen, page in CHECKED_MLA_SHAPES:
+        pages = -(-seqlen // page)
+        q_nope = torch.randn(batch, heads, 512, device="cuda", dtype=torch.float16)
+        q_pe = torch.randn(batch, heads, 64, device="cuda", dtype=torch.float16)
+        ckv = torch.randn(batch * pages, page, 512, device="cuda", dtype=torch.float16)
+        kpe = torch.randn(batch * pages, page, 64, device="cuda", dtype=torch.float16)
+        table = torch.randperm(batch * pages, device="cuda").int().reshape(batch, pages)
+        lengths = torch.full((batch,), seqlen, device="cuda", dtype=torch.int32)
+        args = (q_nope, q_pe, ckv, kpe, table, lengths)
+        calls[f"mla B{batch} H{heads} L{seqlen} pages of {page}"] = (
+            lambda check, args=args: numattn.mla_decode(*args, scale=0.1, check=check))
+    batch, heads_q, heads_kv, length, dim, dtype = DECODE_SHAPES[0]
+    tdtype = getattr(torch, dtype)
+    q = torch.randn(batch, heads_q, dim, device="cuda", dtype=tdtype)
+    k, v = (torch.randn(batch, heads_kv, length, dim, device="cuda", dtype=tdtype) for _ in range(2))
+    lengths = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = paged_copy(torch, k, v, 16)
+    calls["decode(seqlens=) W1"] = lambda check: numattn.decode(q, k, v, seqlens=lengths, check=check)
+    calls["paged_decode W1 pages of 16"] = (
+        lambda check: numattn.paged_decode(q, k_pages, v_pages, table, lengths, check=check))
+    return calls
+
+
+def bench_checked(rounds=3):
+    """Rows of {call, default_us, unchecked_us, default_loop_us, unchecked_loop_us}: each of
+    ``checked_calls`` with its default ``check=True`` and with ``check=False``, timed per call
+    (``cuda_time_ms``) and as 200 back-to-back calls (``loop_us``, where a host synchronisation would
+    show); the two take turns for ``rounds`` rounds, and each gets the median of its rounds."""
+    rows = []
+    for name, call in checked_calls(_torch()).items():
+        times = {key: [] for key in ("default_us", "unchecked_us", "default_loop_us", "unchecked_loop_us")}
+        for _ in range(rounds):
+            for label, check in (("default", True), ("unchecked", False)):
+                times[f"{label}_us"].append(cuda_time_ms(lambda: call(check)) * 1e3)
+                times[f"{label}_loop_us"].append(loop_us(lambda: call(check), calls=200))
+        rows.append({"call": name, **{key: statistics.median(values) for key, values in times.items()}})
     return rows
 
 
@@ -478,21 +545,23 @@ def main(args):
 
     device = device_limits(torch.cuda.current_device())
     print(f"numattn {numattn.__version__}, torch {torch.__version__}, {device['name']} (sm_{device['cc'][0]}{device['cc'][1]})")
-    peak = matmul_peak_tflops()
-    print(f"bf16 matmul 8192³ (tensor-core reference): {peak:.1f} TFLOP/s")
-    if args.quick:
-        rows = bench_attention(QUICK_SHAPES)
-    else:
-        rows = bench_attention(TABLE_SHAPES, dtypes=("bfloat16",))
-        rows += bench_attention([(8, 16, 2048, 64)], dtypes=("float16",), causals=(False,))
-        rows += bench_attention([(4, 32, 4096, 128)], dtypes=("bfloat16",))
-        rows += bench_attention([(2, 16, 2048, 64)], dtypes=("float32",))
-    print_attention_table(rows, peak)
-    overhead = bench_host_overhead()
-    print("host overhead per call (µs, median of back-to-back calls on tiny inputs):")
-    for name, us in overhead.items():
-        print(f"  {name:32} {us:7.2f}")
-    results = {"device": device, "matmul_tflops": peak, "attention": rows, "host_overhead_us": overhead}
+    results = {"device": device}
+    if not args.only:
+        peak = matmul_peak_tflops()
+        print(f"bf16 matmul 8192³ (tensor-core reference): {peak:.1f} TFLOP/s")
+        if args.quick:
+            rows = bench_attention(QUICK_SHAPES)
+        else:
+            rows = bench_attention(TABLE_SHAPES, dtypes=("bfloat16",))
+            rows += bench_attention([(8, 16, 2048, 64)], dtypes=("float16",), causals=(False,))
+            rows += bench_attention([(4, 32, 4096, 128)], dtypes=("bfloat16",))
+            rows += bench_attention([(2, 16, 2048, 64)], dtypes=("float32",))
+        print_attention_table(rows, peak)
+        overhead = bench_host_overhead()
+        print("host overhead per call (µs, median of back-to-back calls on tiny inputs):")
+        for name, us in overhead.items():
+            print(f"  {name:32} {us:7.2f}")
+        results.update({"matmul_tflops": peak, "attention": rows, "host_overhead_us": overhead})
     if args.decode:
         results["decode"] = bench_decode()
         print_decode_table(results["decode"])
@@ -520,17 +589,26 @@ def main(args):
             print(f"  B,H,L {str(row['shape']):18} {row['config']:72} {cell}")
     if args.training:
         results["training"] = bench_training()
-        print("W8, forward + backward (TFLOP/s count the backward as 2.5 forwards):")
+        print("forward + backward, bf16 (TFLOP/s count the backward as 2.5 forwards):")
         print_attention_table(results["training"])
         for row in results["training"]:
             print(f"  {row['shape']} causal={row['causal']}: numattn forward alone {row['numattn_fwd_ms']:.3f} ms")
     if args.graph:
         results["graph"] = bench_graph()
-        print("W6, Mirage GQA graph (µs per call, 1000 back-to-back calls; search seconds):")
+        print("Mirage GQA graph (µs per call, 1000 back-to-back calls; SDPA on contiguous 4-D inputs; search s):")
         for row in results["graph"]:
-            print(f"  b={row['b']}: numattn {row['numattn_us']:7.1f}  SDPA {row['sdpa_us']:7.1f}  eager "
+            sdpa = "  ".join(f"{name} {row[f'{name}_us']:7.1f}" for name in _sdpa_backends(torch)
+                             if row[f"{name}_us"] is not None)
+            print(f"  b={row['b']}: numattn {row['numattn_us']:7.1f}  SDPA {sdpa} (best: {row['best_sdpa']})  eager "
                   f"{row['eager_us']:7.1f}  search {row['search_s']:5.1f} s, cached {row['cached_search_s']:.3f} s, "
                   f"max error {row['max_error']:.1e}; {row['winner']}")
+    if args.checked:
+        results["checked"] = bench_checked()
+        print("default check=True against check=False (µs: median per call, L2 flushed | 200 back-to-back calls):")
+        for row in results["checked"]:
+            print(f"  {row['call']:58} {row['default_us']:8.1f} {row['unchecked_us']:8.1f} "
+                  f"({row['default_us'] / row['unchecked_us'] - 1:+.1%}) | {row['default_loop_us']:8.1f} "
+                  f"{row['unchecked_loop_us']:8.1f} ({row['default_loop_us'] / row['unchecked_loop_us'] - 1:+.1%})")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

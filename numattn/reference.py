@@ -39,7 +39,7 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
         j = np.arange(seqlen_kv)[None, :]
         scores = np.where(j > i + (seqlen_kv - seqlen_q), -np.inf, scores)
     row_max = scores.max(axis=-1, keepdims=True)
-    visible = np.isfinite(row_max)
+    visible = ~np.isneginf(row_max)  # a NaN or +inf score makes the row NaN, as it does in the kernels
     weights = np.exp(scores - np.where(visible, row_max, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
     o = np.einsum("bhij,bhjd->bhid", weights / np.where(visible, total, 1.0), v)

@@ -3,7 +3,11 @@ import os
 import numpy as np
 import pytest
 
-import numattn  # first: selects the simulator when there is no GPU
+# Without a GPU, host arrays run the GPU kernels in numba's CUDA simulator: the tests check the kernels'
+# logic; tests of the CPU path select it with ``numattn.simulate(False)``.
+os.environ.setdefault("NUMATTN_SIMULATE", "1")
+
+import numattn  # noqa: E402  (first of the package: selects the simulator when there is no GPU)
 
 # Absolute tolerance on outputs of unit-variance attention, per input dtype:
 # a few ulps of the output format after fp32 accumulation.

@@ -249,3 +249,22 @@ def test_scores_growing_along_the_keys(rng, dtype):
     # attention concentrates on a few keys, so |o| reaches |v|'s extremes: scale the tolerance with it
     assert max_error(o, ref_o) <= ATOL[dtype] * max(1.0, np.abs(ref_o).max())
     assert max_error(lse, ref_lse) <= 1e-5 * (1 + np.abs(ref_lse).max())
+
+
+def test_simulated_calls_from_threads(rng):
+    """Several threads calling at once all get their own correct result, and the interpreter's
+    switch interval is left as it was (the simulator runs one kernel at a time)."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    interval = sys.getswitchinterval()
+    cases = [[rng.standard_normal((1, 2, 5, 16), dtype=np.float32) for _ in range(3)] for _ in range(8)]
+
+    def run(case):
+        return numattn.attention(*case, causal=True)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, cases))
+    for (q, k, v), o in zip(cases, results):
+        assert max_error(o, reference.attention(q, k, v, causal=True)) < ATOL["float32"]
+    assert sys.getswitchinterval() == interval

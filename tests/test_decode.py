@@ -481,3 +481,52 @@ def test_decode_from_numpy_and_numba(rng):
     out = cuda.to_device(np.full((2, 8, 64), np.nan, np.float16))
     assert numattn.decode(*on_device[:3], seqlens=on_device[3], out=out) is out
     assert max_error(out.copy_to_host(), ref) <= ATOL["float16"]
+
+
+def test_index_check_kernel_reports_the_bad_value():
+    """The GPU check of lengths and page indices (kernels/index_check.py), run on host arrays."""
+    from numattn.kernels import index_check
+    from numattn.kernels.launch import compiled
+
+    def check(table, lengths, capacity=6, page_size=2, num_pages=4):
+        claim, record = np.zeros(1, np.int32), np.zeros(4, np.int32)
+        paged = table is not None
+        table = table if paged else np.zeros((1, 1), np.int32)
+        kernel = compiled(index_check.index_check_kernel(paged), None, 0, 0, "index check")
+        grid = index_check.grid(len(lengths), table.shape[1] if paged else 1)
+        kernel.launch_arrays(grid, index_check.THREADS, table, lengths, capacity, page_size, num_pages, claim, record)
+        return record.tolist()
+
+    table = np.array([[0, 1, 2], [3, 9, -5]], np.int32)
+    assert check(table, np.array([5, 2], np.int32)) == [0, 0, 0, 0]  # unused entries are not checked
+    assert check(table, np.array([5, 3], np.int32)) == [index_check.PAGE_OUT_OF_RANGE, 1, 1, 9]
+    assert check(table, np.array([7, 0], np.int32)) == [index_check.LENGTH_ABOVE_CAPACITY, 0, 0, 7]
+    assert check(None, np.array([3, -1], np.int32)) == [index_check.LENGTH_BELOW_ZERO, 1, 0, -1]
+    # several bad values: one complete report
+    assert check(table, np.array([5, 6], np.int32)) in ([index_check.PAGE_OUT_OF_RANGE, 1, 1, 9],
+                                                          [index_check.PAGE_OUT_OF_RANGE, 1, 2, -5])
+
+
+@pytest.mark.gpu
+def test_checked_calls_report_bad_indices_without_a_synchronisation():
+    """check=True on CUDA tensors: a bad page index or length is raised by the next checked call on the
+    GPU, naming it; the call that read it stayed within the caches."""
+    from numattn.bench import paged_copy
+
+    q = torch.randn(2, 8, 64, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    k_pages, v_pages, table = paged_copy(torch, k, v, 8)
+    lengths = torch.tensor([40, 17], dtype=torch.int32, device="cuda")
+    numattn.paged_decode(q, k_pages, v_pages, table, lengths)
+    bad = table.clone()
+    bad[1, 2] = k_pages.shape[0] + 5
+    numattn.paged_decode(q, k_pages, v_pages, bad, lengths)  # queued; its check reports on the GPU
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=rf"page_table\[1, 2\] = {k_pages.shape[0] + 5} is not a page index"):
+        numattn.paged_decode(q, k_pages, v_pages, table, lengths)
+    numattn.paged_decode(q, k_pages, v_pages, table, lengths)  # the report was cleared
+    numattn.decode(q, k, v, seqlens=torch.tensor([41, 3], dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"seqlens\[0\] = 41 exceeds the cache length \(40\)"):
+        numattn.decode(q, k, v, seqlens=lengths)
+    torch.cuda.synchronize()

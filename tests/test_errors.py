@@ -108,3 +108,93 @@ def test_unsupported_torch_device():
     q, k, v = (torch.ones(1, 1, 2, 16, device="meta") for _ in range(3))
     with pytest.raises(ValueError, match=r"q is on torch device meta"):
         numattn.attention(q, k, v)
+
+
+def test_non_native_byte_order_is_refused(rng):
+    q, k, v = (rng.standard_normal((1, 2, 4, 16), dtype=np.float32) for _ in range(3))
+    swapped = k.astype(">f4")
+    with pytest.raises(TypeError, match=r"k has non-native byte order \('>f4'\)"):
+        numattn.attention(q, swapped, v)
+    with pytest.raises(TypeError, match=r"k_cache has non-native byte order \('>f2'\)"):
+        numattn.decode(q[:, :, 0].astype(np.float16), k.astype(">f2"), v.astype(np.float16))
+    o, lse = rng.standard_normal((3, 16), dtype=np.float32), rng.standard_normal(3, dtype=np.float32)
+    with pytest.raises(TypeError, match=r"lse_b has non-native byte order"):
+        numattn.merge_states(o, lse, o, lse.astype(">f4"))
+    with pytest.raises(TypeError, match=r"seqlens has non-native byte order \('>i4'\)"):
+        numattn.decode(q[:, :, 0], k, v, seqlens=np.array([3], ">i4"))
+
+
+def test_tensors_requiring_grad_point_to_the_autograd_function(rng):
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 16), dtype=np.float32)) for _ in range(3))
+    k.requires_grad_()
+    with pytest.raises(ValueError, match=r"requires grad.*numattn\.torch\.attention"):
+        numattn.attention(q, k, v)
+    with torch.no_grad():
+        assert numattn.attention(q, k, v).shape == (1, 2, 4, 16)
+
+
+def test_out_must_be_writable_and_not_overlap(rng):
+    q, k, v = (rng.standard_normal((1, 2, 4, 16), dtype=np.float32) for _ in range(3))
+    read_only = np.empty((1, 2, 4, 16), np.float32)
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out must be writable"):
+        numattn.attention(q, k, v, out=read_only)
+    row = np.empty(16, np.float32)
+    overlapping = np.lib.stride_tricks.as_strided(row, (1, 2, 4, 16), (0, 0, 0, 4))
+    with pytest.raises(ValueError, match=r"out must not overlap itself"):
+        numattn.attention(q, k, v, out=overlapping)
+    half_overlap = np.lib.stride_tricks.as_strided(np.empty(200, np.float32), (1, 2, 4, 16), (0, 256, 32, 4))
+    with pytest.raises(ValueError, match=r"out must not overlap itself"):
+        numattn.attention(q, k, v, out=half_overlap)
+
+
+@pytest.mark.parametrize("scale, error, message", [
+    (1e39, ValueError, r"scale must have magnitude at most"),
+    (-1e39, ValueError, r"scale must have magnitude at most"),
+    (2**1100, ValueError, r"scale must be finite"),
+])
+def test_scale_out_of_float32_range(scale, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=message):
+        numattn.attention(q, k, v, scale=scale)
+
+
+def test_option_of_the_wrong_type_names_the_option():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"layout must be a str, one of 'bhsd', 'bshd'; got list"):
+        numattn.attention(q, k, v, layout=["bhsd"])
+    with pytest.raises(TypeError, match=r"layout must be a str"):
+        numattn.decode(q[:, :, 0], k, v, layout=["bhsd"])
+    with pytest.raises(TypeError, match=r"new_input: dims must be a sequence of ints"):
+        numattn.new_kernel_graph().new_input((1, 4.5, 16))
+
+
+def test_torch_attention_validates_like_attention():
+    import numattn.torch as nt
+
+    q, k, v = (torch.randn(1, 2, 4, 16) for _ in range(3))
+    with pytest.raises(TypeError, match=r"causal must be a bool, got str"):
+        nt.attention(q, k, v, causal="no")
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got ndarray"):
+        nt.attention(q.numpy(), k, v)
+    empty = torch.randn(1, 2, 4, 0)
+    with pytest.raises(ValueError, match=r"q has a zero-size dimension"):
+        nt.attention(empty, empty, empty)
+    with pytest.raises(ValueError, match=r"q must be 4-D"):
+        nt.attention(q[0, 0], k[0, 0], v[0, 0])
+    with pytest.raises(ValueError, match=r"kv_heads must be positive, got 0"):
+        nt.GroupedQueryAttention(64, 4, 0)
+    with pytest.raises(ValueError, match=r"heads must be positive, got 0"):
+        nt.GroupedQueryAttention(64, 0, 1)
+    module = nt.GroupedQueryAttention(64, 4, 2)
+    with pytest.raises(ValueError, match=r"x must be \[batch, seqlen, dim\] with dim 64, got shape \(3, 64\)"):
+        module(torch.randn(3, 64))
+
+
+def test_tune_names_its_arguments(rng, tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q, k, v = (rng.standard_normal((1, 1, 8, 16), dtype=np.float32) for _ in range(3))
+    with pytest.raises(TypeError, match=r"tune\(attention, \.\.\.\): got an unexpected keyword argument 'check'"):
+        numattn.tune(q, k, v, check=False)
+    table = numattn.tune(q, k, v, return_lse=True)
+    assert any(row["verified"] for row in table)

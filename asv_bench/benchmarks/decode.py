@@ -74,3 +74,23 @@ class DecodeLaunchOverhead:
 
     def time_decode_plan_tiny_into_out(self):
         self.step(self.q, out=self.out)
+
+
+class CheckedCalls:
+    """The default ``check=True`` against ``check=False`` (median GPU µs per call, L2 flushed): the
+    lengths and page indices are checked on the GPU, without a synchronisation."""
+
+    params = (["mla B768 H64 L2048 pages of 1", "mla B768 H16 L1024 pages of 64", "decode(seqlens=) W1",
+               "paged_decode W1 pages of 16"], [True, False])
+    param_names = ["call", "check"]
+
+    def setup(self, call, check):
+        from numattn.bench import checked_calls
+
+        self.call = checked_calls(_cuda_torch())[call]
+        self.call(check)  # compile outside the timing
+
+    def track_us(self, call, check):
+        return cuda_time_ms(lambda: self.call(check)) * 1e3
+
+    track_us.unit = "us"

@@ -16,7 +16,8 @@ partials are summed once, in the epilogue.
 
 Causal masking is bottom-right aligned: row ``i`` sees key ``j`` when
 ``j <= i + seqlen_kv - seqlen_q``. Key tiles entirely past the diagonal are not
-visited; a row that sees no key writes 0 and an LSE of ``-inf``.
+visited; a row that sees no key writes 0 and an LSE of ``-inf``. A NaN score makes its row's
+output and LSE NaN: ``exp2`` turns it into a NaN row sum, whether or not the row max took it.
 """
 
 import functools
@@ -223,12 +224,12 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                 l_sum = _ZERO
                 for c in range(THREADS_N):
                     l_sum += x_s[r, c]
-                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                inv_l = _ONE / l_sum if l_sum != _ZERO else _ZERO  # NaN scores leave l NaN: the row is NaN
                 for j in range(VCOLS):
                     col = tn + j * THREADS_N
                     if col < DV:
                         o[b, h, row, col] = narrow(acc[i, j] * inv_l)
                 if WRITE_LSE and tn == 0:
-                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * _LN2 if l_sum != _ZERO else _NEG_INF
 
     return cuda.jit(kernel)

@@ -141,7 +141,8 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     Each thread merges four adjacent outputs of a row on its own (one 16-byte load per
     split where the head dim is a multiple of 4, else one output): an online softmax
     over the splits' log2-sum-exps, ``MERGE_SPLITS`` splits per round with every load
-    of the round (log-sum-exps and partials) in flight at once. Indices are unsigned:
+    of the round (log-sum-exps and partials) in flight at once. A split's NaN log-sum-exp (it
+    saw a NaN score) makes the row NaN, output and LSE. Indices are unsigned:
     numba then emits neither negative-index wrapping nor floor-division fix-ups, which
     keeps this once-per-block code short (its instructions are fetched cold).
     """
@@ -187,22 +188,23 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
                 m_round = m
                 for u in range(MERGE_SPLITS):
                     m_round = max(m_round, logs[u])
-                if m_round != _NEG_INF:  # else no split so far saw a key
-                    rescale = ex2_approx(m - m_round)
-                    total *= rescale
+                # no split so far saw a key: weights exp2(-inf - 0) = 0 (and a NaN stays NaN)
+                m_ref = m_round if m_round != _NEG_INF else _ZERO
+                rescale = ex2_approx(m - m_ref)
+                total *= rescale
+                for c in range(QUAD):
+                    acc[c] *= rescale
+                for u in range(MERGE_SPLITS):
+                    weight = ex2_approx(logs[u] - m_ref)
+                    total += weight
                     for c in range(QUAD):
-                        acc[c] *= rescale
-                    for u in range(MERGE_SPLITS):
-                        weight = ex2_approx(logs[u] - m_round)
-                        total += weight
-                        for c in range(QUAD):
-                            acc[c] += weight * values[u, c]
-                    m = m_round
-            scale = np.float32(1.0) / total if total > _ZERO else _ZERO
+                        acc[c] += weight * values[u, c]
+                m = m_round
+            scale = np.float32(1.0) / total if total != _ZERO else _ZERO
             for c in range(QUAD):
                 o[ub, h, i, col + uint64(c)] = narrow(acc[c] * scale)
             if WRITE_LSE and col == 0:
-                lse[ub, h, i] = (m + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+                lse[ub, h, i] = (m + math.log2(total)) * _LN2 if total != _ZERO else _NEG_INF
 
     return merge_splits
 
@@ -240,14 +242,14 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
             m_all = m_s[0, r]
             for w in range(1, warps):
                 m_all = max(m_all, m_s[w, r])
+            m_ref = m_all if m_all != _NEG_INF else _ZERO  # no warp saw a key: l = 0, or NaN after a NaN score
             total = _ZERO
-            if m_all != _NEG_INF:
-                for w in range(warps):
-                    total += l_s[w, r] * ex2_approx(m_s[w, r] - m_all)
             for w in range(warps):
-                m_s[w, r] = ex2_approx(m_s[w, r] - m_all) / total if total > _ZERO else _ZERO
+                total += l_s[w, r] * ex2_approx(m_s[w, r] - m_ref)
+            for w in range(warps):
+                m_s[w, r] = ex2_approx(m_s[w, r] - m_ref) / total if total != _ZERO else _ZERO
             h, i = row_head(h_kv, row0, r)
-            row_lse = m_all + math.log2(total) if total > _ZERO else _NEG_INF
+            row_lse = m_all + math.log2(total) if total != _ZERO else _NEG_INF
             if SPLIT:
                 lse_part[b, h, i, split] = row_lse
             elif WRITE_LSE:
@@ -477,7 +479,8 @@ def merge_kernel(dtype, head_dim_v):
     """Numba kernel ``kernel(o_a, lse_a, o_b, lse_b, o, lse)``: attention over the union of two disjoint key sets.
 
     Rows flattened: o_* ``[rows, Dv]`` storage dtype, lse_* ``[rows]`` float32
-    natural log (``-inf`` for a state that saw no key). One block per row.
+    natural log (``-inf`` for a state that saw no key). One block per row. A NaN or
+    ``+inf`` LSE gives the row NaN (its weights are NaN), as in ``split_merger``.
     """
     DV = head_dim_v
     widen, narrow = WIDEN[dtype], NARROW[dtype]
@@ -487,17 +490,16 @@ def merge_kernel(dtype, head_dim_v):
         row = cuda.blockIdx.x
         la, lb = lse_a[row] * LOG2E, lse_b[row] * LOG2E
         m_all = max(la, lb)
-        wa, wb, total = _ZERO, _ZERO, _ZERO
-        if m_all != _NEG_INF:
-            wa, wb = ex2_approx(la - m_all), ex2_approx(lb - m_all)
-            total = wa + wb
+        m_ref = m_all if m_all != _NEG_INF else _ZERO  # both -inf: weights exp2(-inf) = 0
+        wa, wb = ex2_approx(la - m_ref), ex2_approx(lb - m_ref)
+        total = wa + wb
         for col in range(cuda.threadIdx.x, DV, NUM_THREADS):
             value = _ZERO
-            if total > _ZERO:
+            if total != _ZERO:  # else neither state saw a key
                 value = (widen(o_a[row, col]) * wa + widen(o_b[row, col]) * wb) / total
             o[row, col] = narrow(value)
         if cuda.threadIdx.x == 0:
-            lse[row] = (m_all + math.log2(total)) * _LN2 if total > _ZERO else _NEG_INF
+            lse[row] = (m_all + math.log2(total)) * _LN2 if total != _ZERO else _NEG_INF
 
     return cuda.jit(kernel)
 

@@ -5,12 +5,14 @@ dimension of extent 1 broadcasts. Inputs are widened from their storage (fp16
 and bf16 as 16-bit patterns) once, results narrowed once: intermediates stay in
 float32, so an ``exp`` of scores that would overflow fp16 stays finite. One
 thread per output element; these kernels are the fallback that makes any graph
-run, not the fast path (the fused candidates are).
+run, not the fast path (the fused candidates are). ``cpu_op`` is the CPU path's
+version of each operation, in numpy.
 """
 
 import functools
 import math
 
+import numpy as np
 from numba import float32
 
 from .._cuda import cuda
@@ -105,6 +107,31 @@ def _div(a, b):
 
 _UNARY = {"exp": _exp, "sqrt": _sqrt, "square": _square, "silu": _silu, "mul_scalar": _scale}
 _BINARY = {"add": _add, "sub": _sub, "mul": _mul, "div": _div}
+
+
+def cpu_op(op, args, attrs, dim):
+    """The CPU path's version of one graph operation on float32 numpy arrays (4-D, broadcasting):
+    ``dim`` is the reduced axis of the 4-D arrays (the last for rms_norm)."""
+    if op in _BINARY:
+        return {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[op](*args)
+    x = args[0]
+    if op == "matmul":
+        return np.matmul(x, args[1])
+    if op == "mul_scalar":
+        return x * np.float32(attrs["scalar"])
+    if op == "exp":
+        return np.exp(x)
+    if op == "sqrt":
+        return np.sqrt(x)
+    if op == "square":
+        return x * x
+    if op == "silu":
+        return x / (np.float32(1.0) + np.exp(-x))
+    if op == "reduction":
+        return x.sum(axis=dim, keepdims=True, dtype=np.float32)
+    if op == "reduction_max":
+        return x.max(axis=dim, keepdims=True)
+    return x / np.sqrt(np.mean(x * x, axis=dim, keepdims=True, dtype=np.float32) + np.float32(attrs["eps"]))
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,7 +30,8 @@ if not SIMULATOR:
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
-def _check(result):
+def driver_call(result):
+    """The values a cuda-bindings driver call returned after its status; RuntimeError naming a failed status."""
     err = result[0]
     if err != _driver.CUresult.CUDA_SUCCESS:
         name = _driver.cuGetErrorName(err)[1]
@@ -44,12 +45,12 @@ def device_limits(device_id):
     if SIMULATOR:
         return {"name": "numba CUDA simulator", "cc": (9, 0), "sms": 1, "max_shared": 227 * 1024, "dram_gbs": 0.0}
     attr = _driver.CUdevice_attribute
-    dev = _check(_driver.cuDeviceGet(device_id))[0]
+    dev = driver_call(_driver.cuDeviceGet(device_id))[0]
 
     def get(name):
-        return _check(_driver.cuDeviceGetAttribute(getattr(attr, name), dev))[0]
+        return driver_call(_driver.cuDeviceGetAttribute(getattr(attr, name), dev))[0]
 
-    name = _check(_driver.cuDeviceGetName(256, dev))[0]
+    name = driver_call(_driver.cuDeviceGetName(256, dev))[0]
     return {
         "name": name.split(b"\0", 1)[0].decode(),
         "cc": (
@@ -84,7 +85,7 @@ def array_fields(arrays):
 def zero_words(ptr, words, stream):
     """Queue the zeroing of ``words`` 4-byte words at device address ``ptr`` on the raw stream handle ``stream``."""
     if words:
-        _check(_driver.cuMemsetD32Async(ptr, 0, words, stream))
+        driver_call(_driver.cuMemsetD32Async(ptr, 0, words, stream))
 
 
 LOADED = []
@@ -99,12 +100,12 @@ class CompiledKernel:
             kernel = dispatcher.compile(tuple(argtypes))
             kernel.bind()
             cufunc = kernel._codelibrary.get_cufunc()
-            self.context = _check(_driver.cuCtxGetCurrent())[0]
+            self.context = driver_call(_driver.cuCtxGetCurrent())[0]
             # numba loads kernels as context-independent library kernels; the launch takes this context's
             # function of it, which the driver otherwise looks up on every launch (about 2 µs of host time)
             handle = cufunc.handle
             if isinstance(handle, _driver.CUkernel):
-                self.function = _check(_driver.cuKernelGetFunction(handle))[0]
+                self.function = driver_call(_driver.cuKernelGetFunction(handle))[0]
             else:
                 self.function = _driver.CUfunction(int(handle))
         self.device_id = device_id
@@ -115,7 +116,7 @@ class CompiledKernel:
             limit = device_limits(device_id)["max_shared"]
             if shared_bytes > limit:
                 raise ValueError(f"kernel needs {shared_bytes} bytes of shared memory, device allows {limit}")
-            _check(
+            driver_call(
                 _driver.cuKernelSetAttribute(
                     _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     shared_bytes,
@@ -147,7 +148,7 @@ def _launch_kernel_ex():
     can rewrite a launch's shared argument block before the driver has copied it.
     """
     flags = _driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
-    address = _check(_driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000, flags))[0]
+    address = driver_call(_driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000, flags))[0]
     if not address:
         raise RuntimeError("the CUDA driver has no cuLaunchKernelEx (CUDA 12.0 or newer is needed)")
     return ctypes.PYFUNCTYPE(ctypes.c_int, *(ctypes.c_void_p,) * 4)(int(address))
@@ -199,18 +200,23 @@ class PreparedLaunch:
             self._config.stream = self._stream = stream
         err = self._launch(self._config_address, self._function, self._params, None)
         if err == _INVALID_CONTEXT:  # a thread with no current context (torch's autograd threads)
-            _check(_driver.cuCtxSetCurrent(self.kernel.context))  # lets other threads run: fill again
+            driver_call(_driver.cuCtxSetCurrent(self.kernel.context))  # lets other threads run: fill again
             self._write_pointers(*pointers)
             self._config.stream = self._stream = stream
             err = self._launch(self._config_address, self._function, self._params, None)
         if err:
-            _check((_driver.CUresult(err),))
+            driver_call((_driver.CUresult(err),))
 
     def _locked_launch(self, stream, *pointers):
         with self._lock:
             self._fill_and_launch(stream, *pointers)
 
     __call__ = _fill_and_launch if _GIL else _locked_launch
+
+
+# The simulator runs one kernel at a time per process: its thread-local block state breaks when two
+# threads launch at once, and each launch changes the interpreter's switch interval
+_SIMULATOR_LOCK = threading.Lock()
 
 
 class SimulatedKernel:
@@ -221,19 +227,22 @@ class SimulatedKernel:
         self.shared_bytes = shared_bytes
 
     def launch_arrays(self, grid, block, *args):
+        """Run the kernel on numpy arrays (used in place, strided views too) and scalars; launches from
+        several threads run one after another."""
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         # Wrapped as simulator device arrays, numpy views (strided ones too) are
         # used in place; plain numpy arguments would be copied in and out.
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in args]
-        # The simulator's block manager polls its threads; a short GIL switch
-        # interval lets threads leave barriers promptly (several times faster).
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(1e-4)
-        try:
-            self.dispatcher[grid, block, 0, self.shared_bytes](*args)
-        finally:
-            sys.setswitchinterval(interval)
+        with _SIMULATOR_LOCK:
+            # The simulator's block manager polls its threads; a short GIL switch
+            # interval lets threads leave barriers promptly (several times faster).
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e-4)
+            try:
+                self.dispatcher[grid, block, 0, self.shared_bytes](*args)
+            finally:
+                sys.setswitchinterval(interval)
 
 
 @functools.lru_cache(maxsize=None)

@@ -371,8 +371,8 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
             l_sum = quad_sum(l_i[half])
             h = head0 + g + 8 * half
             if h < heads:
-                inv = np.float32(1.0) / l_sum if l_sum > _ZERO else _ZERO
-                row_lse = m_i[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                inv = np.float32(1.0) / l_sum if l_sum != _ZERO else _ZERO
+                row_lse = m_i[half] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
                 for dt in range(DTILES):
                     for e in range(2):
                         col = warp * COLS + 8 * dt + 2 * t + e

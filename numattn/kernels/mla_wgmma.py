@@ -529,7 +529,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             r = 16 * (warp % 4) + g + 8 * half
             h = head0 + r - q_row0
             valid = 0 <= h < heads
-            inv = _ONE / l_sum if l_sum > _ZERO else _ZERO
+            inv = _ONE / l_sum if l_sum != _ZERO else _ZERO
             if SPLIT:
                 if valid:
                     for dt in range(DTILES):
@@ -537,7 +537,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                             col = group * COLS + 8 * dt + 2 * t + e
                             o_part[b, h, 0, cuda.blockIdx.x, col] = acc[0, dt, 2 * half + e] * inv
             if valid and group == 0 and t == 0:
-                row_lse = m_row[half] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                row_lse = m_row[half] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
                 if SPLIT:
                     lse_part[b, h, 0, cuda.blockIdx.x] = row_lse
                 elif WRITE_LSE:
@@ -552,8 +552,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             # 8·(m % 2) .., columns 8·(dt + m // 2) .., in panel dt // 8 of the warpgroup's and at chunk
             # (dt + m // 2) % 8 swizzled by the row's r % 8 = lane % 8
             lane, m = tid % 32, (tid % 32) // 8
-            inv0 = _ONE / l_row[0] if l_row[0] > _ZERO else _ZERO  # rows g and g + 8 of the warp
-            inv1 = _ONE / l_row[1] if l_row[1] > _ZERO else _ZERO
+            inv0 = _ONE / l_row[0] if l_row[0] != _ZERO else _ZERO  # rows g and g + 8 of the warp
+            inv1 = _ONE / l_row[1] if l_row[1] != _ZERO else _ZERO
             row0 = (group * (COLS // 64)) * HEADS_PER_BLOCK + 16 * (warp % 4) + lane % 8 + 8 * (m % 2)
             if not PERSISTENT or (warp % 4) // 2 == q_half:  # persistent: the warps of the item's half
                 for dp in range(DTILES // 2):

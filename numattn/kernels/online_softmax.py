@@ -145,18 +145,22 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
 
     @cuda.jit(device=True, inline="always")
     def normalize(acc, m_i, l_i, lse, write_lse, b, h, row0, seqlen_q, g, t):
-        """Full row sums across the four lanes of a group, then ``acc /= l`` (and the LSE for rows below ``seqlen_q``)."""
+        """Full row sums across the four lanes of a group, then ``acc /= l`` (and the LSE for rows below ``seqlen_q``).
+
+        A row without a visible key (``l = 0``) gets 0 and an LSE of -inf. A NaN score makes ``l`` NaN
+        (through ``exp2``, whether or not the running max took it), and so the row's output and LSE.
+        """
         for mt in range(WARP_M):
             for half in range(2):
                 r = 2 * mt + half
                 l_sum = quad_sum(l_i[r])
-                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                inv_l = _ONE / l_sum if l_sum != _ZERO else _ZERO
                 for dt in range(DTILES):
                     acc[mt, dt, 2 * half] *= inv_l
                     acc[mt, dt, 2 * half + 1] *= inv_l
                 row = row0 + 16 * mt + g + 8 * half
                 if write_lse and t == 0 and row < seqlen_q:
-                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum > _ZERO else _NEG_INF
+                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum != _ZERO else _NEG_INF
 
     @cuda.jit(device=True, inline="always")
     def store(o, acc, b, h, row0, seqlen_q, g, t):
@@ -177,7 +181,8 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
 def partial_store(warp_m, dtiles):
     """Device function ``store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t)``:
     a split's result for rows below ``seqlen_q``: ``acc / l`` into ``o_part[b, h, row, split]`` (float32)
-    and the log2-domain ``m + log2(l)`` into ``lse_part[b, h, row, split]`` (-inf where the split saw no key)."""
+    and the log2-domain ``m + log2(l)`` into ``lse_part[b, h, row, split]`` (-inf where the split saw no key,
+    NaN where it saw a NaN score, as in ``normalize``)."""
     WARP_M, DTILES = warp_m, dtiles
 
     @cuda.jit(device=True, inline="always")
@@ -186,7 +191,7 @@ def partial_store(warp_m, dtiles):
             for half in range(2):
                 r = 2 * mt + half
                 l_sum = quad_sum(l_i[r])
-                inv_l = _ONE / l_sum if l_sum > _ZERO else _ZERO
+                inv_l = _ONE / l_sum if l_sum != _ZERO else _ZERO
                 row = row0 + 16 * mt + g + 8 * half
                 if row < seqlen_q:
                     for dt in range(DTILES):
@@ -194,7 +199,7 @@ def partial_store(warp_m, dtiles):
                         o_part[b, h, row, split, col] = acc[mt, dt, 2 * half] * inv_l
                         o_part[b, h, row, split, col + 1] = acc[mt, dt, 2 * half + 1] * inv_l
                     if t == 0:
-                        lse_part[b, h, row, split] = m_i[r] + math.log2(l_sum) if l_sum > _ZERO else _NEG_INF
+                        lse_part[b, h, row, split] = m_i[r] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
 
     return store_partial
 

@@ -1,6 +1,7 @@
 """``numattn.attention``: fused scaled-dot-product attention over whole sequences."""
 
 import math
+import sys
 from dataclasses import dataclass, replace
 
 import numba
@@ -15,14 +16,17 @@ from .._arrays import (
     describe,
     device_pointer,
     empty_device_like,
+    float32_values,
     from_dlpack,
     host_storage,
     is_torch,
+    rounded_storage,
     storage_dtype,
     torch_current,
     wrap_host,
 )
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, simulating
+from ..kernels import cpu
 from ..kernels.attention_mma import (
     MmaConfig,
     choose_mma_config,
@@ -53,6 +57,7 @@ _LAYOUT_DIMS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seq
 MAX_HEAD_DIM = 256
 _MAX_GRID = 2**31 - 1
 LOG2E = math.log2(math.e)
+MAX_SCALE = float(np.finfo(np.float32).max) / LOG2E  # kernels take scale · log2(e) as a float32
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,7 @@ class Problem:
 
 
 def _validate(q, k, v, out, causal, scale, layout, return_lse):
-    if layout not in _LAYOUT_AXES:
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    choice("layout", layout, tuple(_LAYOUT_AXES))
     for flag, value in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
@@ -173,7 +177,8 @@ def _validate(q, k, v, out, causal, scale, layout, return_lse):
 
 
 def out_operand(out, q_op, shape):
-    """The operand of a caller's ``out`` array, checked: q's dtype and device, ``shape``."""
+    """The operand of a caller's ``out`` array, checked: q's dtype and device, ``shape``, writable,
+    no two elements at one address."""
     out_op = describe(out, "out")
     if out_op.dtype != q_op.dtype:
         raise TypeError(f"out must have dtype {q_op.dtype} like q, got {out_op.dtype}")
@@ -181,7 +186,32 @@ def out_operand(out, q_op, shape):
         raise ValueError(f"out must have shape {tuple(shape)}, got {out_op.shape}")
     if out_op.device != q_op.device:
         raise ValueError(f"out must be on {q_op.where} like q, got {out_op.where}")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError("out must be writable, got a read-only numpy array")
+    if overlaps_itself(out_op.shape, out_op.strides):
+        raise ValueError(f"out must not overlap itself, got strides {out_op.strides} for shape {out_op.shape}")
     return out_op
+
+
+def overlaps_itself(shape, strides):
+    """Whether a view may put two of its elements at one address: after sorting the axes by stride,
+    each axis must step past everything the smaller axes span (layouts that interleave otherwise
+    count as overlapping)."""
+    span = 1
+    for stride, extent in sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1):
+        if stride < span:
+            return True
+        span = stride * (extent - 1) + span
+    return False
+
+
+def choice(name, value, options):
+    """``value`` when it is one of the strings ``options``; TypeError or ValueError naming ``name`` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, options))}; got {type(value).__name__}")
+    if value not in options:
+        raise ValueError(f"{name} must be {' or '.join(map(repr, options))}, got {value!r}")
+    return value
 
 
 def softmax_scale(scale, head_dim):
@@ -191,9 +221,16 @@ def softmax_scale(scale, head_dim):
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond float64
+        value = math.inf
+    if not math.isfinite(value):
         raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    if abs(value) > MAX_SCALE:
+        raise ValueError(f"scale must have magnitude at most {MAX_SCALE:.3e} (kernels multiply it by log2(e) "
+                         f"in float32), got {value:.3e}")
+    return value
 
 
 _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, WgmmaConfig: wgmma_attention_kernel}
@@ -411,8 +448,9 @@ class _HostPlan:
         return (result, wrap_host(lse.copy_to_host(), q, "float32")) if p.return_lse else result
 
 
-class _SimulatorPlan:
-    """Host arrays in numba's CUDA simulator: the kernel runs on numpy views, no copies."""
+class _NoGpuPlan:
+    """Host arrays on a machine without a GPU: the CPU path (``kernels/cpu.py``), or under
+    ``numattn.simulate()`` the GPU kernel in numba's CUDA simulator on numpy views (no copies)."""
 
     def __init__(self, p, config=None, splits=1):
         dispatcher, self.grid, self.block, shared_bytes, label, self.config = _attention_kernel(p, 0, config, splits)
@@ -425,19 +463,29 @@ class _SimulatorPlan:
         p = self.problem
         axes = _LAYOUT_AXES[p.layout]
         views = [host_storage(x, op).transpose(axes) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        if simulating():
+            o, lse = self._simulated(*views)
+        else:
+            o, lse = cpu.attention_forward(*(float32_values(x, p.dtype) for x in views), p.scale, p.causal)
+            o = np.ascontiguousarray(rounded_storage(o, p.dtype).transpose(axes))  # axes: its own inverse
+        result = _deliver(o, q, out, p)
+        return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
+
+    def _simulated(self, q, k, v):
+        """``(o in the caller's layout, lse)`` of the GPU kernel on (B, H, S, D) views."""
+        p = self.problem
         if self.k_transposed:
-            views[1] = np.swapaxes(views[1], 2, 3)  # the kernel takes (B, H, D, S)
+            k = np.swapaxes(k, 2, 3)  # the kernel takes (B, H, D, S)
         o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
         lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
-        scale_log2 = np.float32(p.scale * LOG2E)
         splits = []
         if self.splits > 1:
             part_shape, part_lse_shape, counter_shape = self.split_shapes
             splits = [np.empty(part_shape, np.float32), np.empty(part_lse_shape, np.float32),
                       np.zeros(counter_shape, np.int32)]
-        self.kernel.launch_arrays(self.grid, self.block, *views, o.transpose(axes), lse, *splits, scale_log2)
-        result = _deliver(o, q, out, p)
-        return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
+        self.kernel.launch_arrays(self.grid, self.block, q, k, v, o.transpose(_LAYOUT_AXES[p.layout]), lse, *splits,
+                                  np.float32(p.scale * LOG2E))
+        return o, lse
 
 
 def _deliver(o_storage, q, out, p):
@@ -485,7 +533,7 @@ def _signature(x):
 def _make_plan(problem, config=None, splits=1):
     p = problem
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
-        return _SimulatorPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
+        return _NoGpuPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
         return _TorchPlan(p, config, splits)
     return _DevicePlan(p, config, splits)
@@ -580,16 +628,20 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     ``o`` ``[batch, num_heads_q, seqlen_q, head_dim_v]`` (in ``layout``), same dtype
     and library as ``q``, or ``(o, lse)`` with ``return_lse``. Torch CUDA tensors
     run on torch's current stream without synchronising; host arrays run on the
-    GPU when there is one (copied in and out), else in numba's CUDA simulator.
+    GPU when there is one (copied in and out), else on the CPU path (or, under
+    ``numattn.simulate()``, in numba's CUDA simulator).
 
     Raises
     ------
     TypeError
-        Non-array arguments, unsupported or mixed dtypes, non-bool flags.
+        Non-array arguments, unsupported or mixed dtypes, non-native byte order,
+        non-bool flags, a ``layout`` that is not a str.
     ValueError
         Wrong ranks, mismatched batch / heads / lengths / head dims, head dims
         over 256, zero-size dimensions, arrays on different devices, an unknown
-        layout, or ``out`` of the wrong shape or device.
+        layout, ``out`` of the wrong shape or device, read-only or overlapping
+        itself, a ``scale`` beyond float32, or torch tensors that require grad
+        while torch records gradients (see ``numattn.torch.attention``).
 
     Examples
     --------
@@ -601,11 +653,25 @@ def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=Fa
     >>> numattn.attention(q, k, v, causal=True).shape
     (1, 4, 8, 16)
     """
+    if _records_grad(q, k, v):
+        raise ValueError(
+            "q, k or v requires grad, and numattn.attention records no gradients: use "
+            "numattn.torch.attention(q, k, v, causal=..., scale=...) for autograd, or call under torch.no_grad()")
     try:
         plan = _PLANS[_key(q, k, v, out, causal, scale, layout, return_lse)]
     except (AttributeError, KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
         plan, q, k, v, out = _slow_path(q, k, v, out, causal, scale, layout, return_lse)
     return plan(q, k, v, out)
+
+
+def _records_grad(q, k, v):
+    """Whether torch would record gradients through any of the arrays (torch tensors requiring grad,
+    outside ``torch.no_grad``)."""
+    try:
+        needs = q.requires_grad or k.requires_grad or v.requires_grad
+    except AttributeError:  # not all torch tensors
+        needs = any(getattr(x, "requires_grad", False) for x in (q, k, v))
+    return needs and sys.modules["torch"].is_grad_enabled()
 
 
 def _tuned_or_default_plan(problem):

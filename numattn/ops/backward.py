@@ -1,5 +1,5 @@
 """Attention backward for torch tensors (``numattn.torch.attention`` calls it): dq, dk, dv from the
-forward's inputs, output and log-sum-exp, on the GPU or in the simulator.
+forward's inputs, output and log-sum-exp, on the GPU, on the CPU path without one, or in the simulator.
 
 fp16 and bf16 run on tensor cores: on sm_90 with head dims that are multiples of
 64 the wgmma kernel (``kernels/attention_backward_wgmma.py``), otherwise, head
@@ -13,7 +13,8 @@ import numpy as np
 from numba import types
 
 from .._arrays import host_storage, describe, storage_dtype
-from .._cuda import SIMULATOR
+from .._cuda import SIMULATOR, simulating
+from ..kernels import cpu
 from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
 from ..kernels.attention_backward_mma import (
     LOG2E,
@@ -74,6 +75,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
     inputs' dtype on tensor cores and in float32 on CUDA cores."""
     import torch
 
+    if SIMULATOR and not simulating():  # no GPU: the CPU path
+        grads = cpu.attention_backward(*(x.detach().float().numpy() for x in (q, k, v, o, lse, do)), scale, causal)
+        return tuple(torch.from_numpy(g) for g in grads)
     if not SIMULATOR and not q.is_cuda:  # host tensors on a GPU machine: computed on the GPU, as the forward is
         grads = attention_backward(*(x.cuda() for x in (q, k, v, o, lse, do)), causal=causal, scale=scale)
         return tuple(g.cpu() for g in grads)

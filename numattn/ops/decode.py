@@ -22,14 +22,17 @@ from .._arrays import (
     describe,
     device_pointer,
     empty_device_like,
+    float32_values,
     from_dlpack,
     host_storage,
     is_torch,
+    rounded_storage,
     storage_dtype,
     torch_current,
     wrap_host,
 )
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, simulating
+from ..kernels import cpu
 from ..kernels.decode import (
     MAX_SPLITS,
     MMA_KEYS,
@@ -44,7 +47,8 @@ from ..kernels.decode import (
     merge_kernel,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
-from .attention import LOG2E, out_operand, softmax_scale
+from .attention import LOG2E, choice, out_operand, softmax_scale
+from .checks import DeviceIndexCheck, check_lengths_and_pages, host_values
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -182,8 +186,7 @@ def _caches(q_op, q4, k, v, names, text, axes):
 
 
 def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out=None):
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be 'bhsd' or 'bshd', got {layout!r}")
+    choice("layout", layout, _LAYOUTS)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     q_op, q4, squeezed = _query(q, layout)
@@ -203,8 +206,7 @@ def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, ou
 
 
 def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
-    if kv_layout not in _KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be 'nhd' or 'hnd', got {kv_layout!r}")
+    choice("kv_layout", kv_layout, _KV_LAYOUTS)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     q_op, q4, squeezed = _query(q, "bhsd")
@@ -241,10 +243,7 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
         out_shape = (batch, seqlen_q, heads_q, head_dim_v)
     out_strides = None
     if out is not None:
-        out_op = out_operand(out, q_op, out_shape)
-        if any(stride == 0 and extent > 1 for stride, extent in zip(out_op.strides, out_op.shape)):
-            raise ValueError(f"out must not overlap itself, got strides {out_op.strides} for shape {out_op.shape}")
-        out_strides = out_op.strides
+        out_strides = out_operand(out, q_op, out_shape).strides
     return DecodeProblem(
         batch, heads_q, k4.shape[1], seqlen_q, head_dim, head_dim_v, q_op.dtype, q_op.device,
         softmax_scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
@@ -252,43 +251,8 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
     )
 
 
-def _index_values(x):
-    """A numpy view or copy of an index array (for a device array a device-to-host copy, so a synchronisation)."""
-    if is_torch(x):
-        return x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "copy_to_host"):  # numba device arrays, the simulator's included
-        return x.copy_to_host()
-    return cuda.as_cuda_array(x).copy_to_host()
-
-
-def _check_values(p, page_table, seqlens):
-    """Clear errors for lengths and page indices that the caches cannot serve."""
-    what = "the cache length" if page_table is None else "max_pages * page_size"
-    check_lengths_and_pages(seqlens, page_table, p.capacity, what, p.k.shape[2], p.k.shape[0])
-
-
-def check_lengths_and_pages(seqlens, page_table, capacity, capacity_text, page_size, num_pages):
-    """``ValueError`` for a negative length, one above ``capacity``, or a used page index outside
-    ``[0, num_pages)`` (device arrays are copied to the host: a synchronisation)."""
-    if seqlens is None:
-        return
-    lengths = _index_values(seqlens).astype(np.int64)
-    if (lengths < 0).any():
-        b = int(np.argmax(lengths < 0))
-        raise ValueError(f"seqlens must be non-negative, got seqlens[{b}] = {lengths[b]}")
-    if (lengths > capacity).any():
-        b = int(np.argmax(lengths > capacity))
-        raise ValueError(f"seqlens[{b}] = {lengths[b]} exceeds {capacity_text} ({capacity})")
-    if page_table is None:
-        return
-    table = _index_values(page_table)
-    used = np.arange(table.shape[1])[None, :] < -(-lengths // page_size)[:, None]
-    bad = used & ((table < 0) | (table >= num_pages))
-    if bad.any():
-        b, j = (int(x) for x in np.argwhere(bad)[0])
-        raise ValueError(f"page_table[{b}, {j}] = {table[b, j]} is not a page index in [0, {num_pages})")
+def _capacity_text(p):
+    return "the cache length" if p.page_table is None else "max_pages * page_size"
 
 
 # GPUs whose DRAM feeds each SM faster than this (GB/s; an H200's 4.8 TB/s on 132 SMs, not an H100's
@@ -379,6 +343,12 @@ class _Plan:
         """Shapes of the split workspace's parts: fp32 partial outputs, their fp32 log2-sum-exps, int32 counters."""
         return self.part_shape, self.part_shape[:4], self.counter_shape
 
+    def check_values(self, q, page_table, seqlens):
+        """``ValueError`` for lengths the caches cannot serve or used page indices outside the pages
+        (host arrays: checked here; device arrays: see ``DeviceIndexCheck``)."""
+        p = self.problem
+        check_lengths_and_pages(seqlens, page_table, p.capacity, _capacity_text(p), p.k.shape[2], p.k.shape[0])
+
     def arrays(self):
         """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""
         p = self.problem
@@ -415,6 +385,21 @@ class _DevicePlan(_Plan):
         self._kernel, self._fields, self._slots = kernel, fields, slots
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
         self.workspace = WorkspaceLayout(self.workspace_shapes)
+        self._index_check = None
+
+    def check_values(self, q, page_table, seqlens):
+        """Raise what an earlier call's check found on this GPU, then queue the check of these lengths and
+        page indices on q's stream (no synchronisation)."""
+        if self._index_check is None:
+            p = self.problem
+            table = None if p.page_table is None else (p.page_table.shape, p.page_table.strides)
+            self._index_check = DeviceIndexCheck(p.device, table, (p.seqlens.shape, p.seqlens.strides), p.capacity,
+                                                 _capacity_text(p), p.k.shape[2], p.k.shape[0])
+        self._index_check(self.stream_of(q), _pointer(page_table), _pointer(seqlens))
+
+    def stream_of(self, q):
+        """The raw handle of the stream a launch on ``q`` runs on."""
+        return cai_stream(q)
 
     def bound_launch(self, k, v, page_table, seqlens):
         """A launch with the data pointers of the caches, page table and lengths (ints, 0 for none)
@@ -434,12 +419,16 @@ class _TorchPlan(_DevicePlan):
         import torch
 
         self._torch = torch
+        self._current_stream = torch_current()[1]
         self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
         self._run = self.runner(self.launch)
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
         return self._run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
                          tensor_pointer(seqlens))
+
+    def stream_of(self, q):
+        return self._current_stream(self.problem.device)
 
     def runner(self, launch):
         """``run(out, *inputs)``: allocate the outputs (``out`` used when given), queue ``launch``
@@ -475,6 +464,11 @@ class _TorchPlan(_DevicePlan):
 def tensor_pointer(x):
     """A torch tensor's data pointer, 0 for None."""
     return 0 if x is None else x.data_ptr()
+
+
+def _pointer(x):
+    """A device array's data pointer, 0 for None."""
+    return 0 if x is None else device_pointer(x)
 
 
 class TorchOutputs:
@@ -530,8 +524,9 @@ class _CaiPlan(_DevicePlan):
 
 
 class _HostPlan(_Plan):
-    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine contiguous
-    copies go to the device and the result comes back."""
+    """Host arrays: on a GPU machine contiguous copies go to the device and the result comes back;
+    without a GPU the CPU path runs, or under ``numattn.simulate()`` the kernels in numba's simulator
+    on numpy views."""
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
         result = self._compute(q, k, v, page_table, seqlens)
@@ -553,7 +548,7 @@ class _HostPlan(_Plan):
             if x is None:
                 views.append(None)
                 continue
-            storage = host_storage(x, a.op) if a.op.dtype in FLOAT_DTYPES else _index_values(x)
+            storage = host_storage(x, a.op) if a.op.dtype in FLOAT_DTYPES else host_values(x)
             item = storage.itemsize
             views.append(np.lib.stride_tricks.as_strided(storage, a.shape, tuple(s * item for s in a.strides)))
         if not SIMULATOR:
@@ -561,17 +556,31 @@ class _HostPlan(_Plan):
         out = np.empty(p.out_shape, storage_dtype(p.dtype))
         item = out.itemsize
         o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
+        if not simulating():
+            lse = self._on_cpu(views, o4)
+            result = wrap_host(out, q, p.dtype)
+            return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
         lse, part, part_lse = (np.empty(shape, np.float32) for shape in (p.lse_shape, *self.workspace_shapes[:2]))
         counters = np.zeros(self.counter_shape, np.int32)
         table = views[3] if views[3] is not None else np.zeros((1, 1), np.int32)
         lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        args = [FakeCUDAArray(a) for a in (views[0], views[1], views[2], table, lengths, o4, lse, part, part_lse,
-                                           counters)]
-        self.decode[self.grid, NUM_THREADS, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
+        compiled(self.decode, None, 0, self.shared_bytes, self.label).launch_arrays(
+            self.grid, NUM_THREADS, *views[:3], table, lengths, o4, lse, part, part_lse, counters,
+            np.float32(p.scale * LOG2E))
         result = wrap_host(out, q, p.dtype)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
+
+    def _on_cpu(self, views, o4):
+        """The CPU path: writes the output into the storage view ``o4`` ``[B, Hq, Sq, Dv]``, returns the LSE."""
+        p = self.problem
+        table, lengths = views[3:]
+        if table is None:  # a contiguous cache: one page per sequence
+            table = np.arange(p.batch, dtype=np.int32)[:, None]
+        if lengths is None:
+            lengths = np.full(p.batch, p.capacity, np.int32)
+        o, lse = cpu.paged_decode(*(float32_values(x, p.dtype) for x in views[:3]), table, lengths, p.scale)
+        o4[...] = rounded_storage(o, p.dtype)
+        return lse
 
     def _on_device(self, q, views):
         p = self.problem
@@ -664,7 +673,7 @@ def _run(kind, validate, arrays, options, check, out):
                 _PLANS.clear()
             _PLANS[key] = plan
     if check and arrays[4] is not None and not _capturing(plan.problem):  # the values checked are seqlens
-        _check_values(plan.problem, arrays[3], arrays[4])
+        plan.check_values(arrays[0], arrays[3], arrays[4])
     return plan(*arrays, out)
 
 
@@ -697,9 +706,12 @@ def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", retu
     return_lse : bool
         Also return the natural-log log-sum-exp per query row, float32 ``[batch, heads_q, seqlen_q]``.
     check : bool
-        Check ``seqlens`` values (non-negative, at most ``max_seqlen``). For device arrays this
-        copies them to the host, a synchronisation; pass ``False`` on hot paths. Skipped while
-        torch captures a CUDA graph. Unchecked lengths are clamped into ``[0, max_seqlen]``.
+        Check ``seqlens`` values (non-negative, at most ``max_seqlen``): host arrays before the
+        launch; device arrays on the GPU, by a small kernel queued before the decode kernel, with
+        no copy and no synchronisation: a bad value is raised as a ``ValueError`` by the next
+        checked call on that GPU (the call that read it computed with the value clamped into
+        range). Skipped while torch captures a CUDA graph. Unchecked lengths are clamped into
+        ``[0, max_seqlen]``, so no kernel reads outside the caches.
     out : array, optional
         Where to write ``o`` (any strides, no self-overlap): the shape and dtype ``o`` would have,
         on q's device; it is returned. Saves the allocation on hot paths.
@@ -847,7 +859,7 @@ class DecodePlan:
                 raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device} "
                                  f"(strides {strides}), got {_signature_text(given)}")
         if check and self._lengths is not None and not _capturing(self.problem):
-            _check_values(self.problem, self._table, self._lengths)
+            self._plan.check_values(q, self._table, self._lengths)
         if self._run is None:
             return self._plan(q, *self._bound, out)
         return self._run(out, address)
@@ -857,30 +869,50 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
     """``(page_table, seqlens)`` from FlashInfer's CSR description of a paged cache.
 
     Sequence ``b`` uses pages ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, its last one
-    filled to ``kv_last_page_len[b]``. Host (numpy) arrays in, int32 numpy arrays out; the
-    table's unused entries are 0. Converting once per batch layout keeps the decode call free
-    of host work.
+    filled to ``kv_last_page_len[b]``. Host (numpy) arrays in (an empty list is an empty index
+    array), int32 numpy arrays out; the table's unused entries are 0. A batch has at least one
+    sequence (as ``paged_decode`` takes); the page indices used must lie in ``[0, 2**31 - 1]`` and
+    the lengths must not exceed ``2**31 - 1`` (``ValueError`` otherwise: nothing wraps). Converting
+    once per batch layout keeps the decode call free of host work.
     """
-    indptr, indices, last = (np.asarray(x) for x in (kv_indptr, kv_indices, kv_last_page_len))
-    for name, x, ndim in (("kv_indptr", indptr, 1), ("kv_indices", indices, 1), ("kv_last_page_len", last, 1)):
-        if x.dtype.kind not in "iu" or x.ndim != ndim:
+    int32_max = int(np.iinfo(np.int32).max)
+    arrays = []
+    for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+        x = np.asarray(x)
+        if x.ndim == 1 and x.size == 0:
+            x = x.astype(np.int64)  # np.asarray([]) is float64
+        if x.dtype.kind not in "iu" or x.ndim != 1:
             raise TypeError(f"{name} must be a 1-D integer array, got {x.dtype} with shape {x.shape}")
+        arrays.append(x)
+    indptr, indices, last = arrays
     batch = len(indptr) - 1
-    if batch < 0 or len(last) != batch:
-        raise ValueError(f"kv_indptr needs batch + 1 entries and kv_last_page_len batch entries, got {len(indptr)} "
-                         f"and {len(last)}")
-    counts = np.diff(indptr)
-    if (counts < 0).any() or indptr[0] != 0 or indptr[-1] > len(indices):
+    if batch < 1:
+        raise ValueError(f"kv_indptr must have batch + 1 entries for a batch of at least 1 sequence, got {len(indptr)}")
+    if len(last) != batch:
+        raise ValueError(f"kv_last_page_len must have one entry per sequence ({batch}), got {len(last)}")
+    if indptr[0] != 0 or (indptr[1:] < indptr[:-1]).any() or indptr[-1] > len(indices):
         raise ValueError("kv_indptr must start at 0, not decrease, and end within kv_indices")
     if not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if ((last < 0) | (last > page_size) | ((last == 0) & (counts > 0))).any():
-        raise ValueError(f"kv_last_page_len entries must lie in [1, {page_size}] for sequences with pages")
-    table = np.zeros((batch, max(1, int(counts.max(initial=0)))), np.int32)
+    counts = np.diff(indptr)
+    bad = (last < 0) | (last > page_size) | ((last == 0) & (counts > 0))
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise ValueError(f"kv_last_page_len[{b}] = {last[b]} is not in [{1 if counts[b] else 0}, {page_size}]")
+    used = indices[: indptr[-1]]
+    bad = (used < 0) | (used > int32_max)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"kv_indices[{i}] = {used[i]} is not a page index in [0, {int32_max}] (int32)")
+    lengths = [(int(n) - 1) * int(page_size) + int(filled) if n else 0 for n, filled in zip(counts, last)]
+    for b, length in enumerate(lengths):
+        if length > int32_max:
+            raise ValueError(f"sequence {b} is {length} keys long ({counts[b]} pages of page_size {page_size}, "
+                             f"kv_last_page_len[{b}] = {last[b]}): seqlens must be at most {int32_max} (int32)")
+    table = np.zeros((batch, max(1, int(counts.max()))), np.int32)
     for b in range(batch):
         table[b, : counts[b]] = indices[indptr[b] : indptr[b + 1]]
-    seqlens = np.where(counts > 0, (counts - 1) * page_size + last, 0).astype(np.int32)
-    return table, seqlens
+    return table, np.array(lengths, np.int32)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
@@ -888,8 +920,10 @@ def merge_states(o_a, lse_a, o_b, lse_b):
 
     ``o_*`` ``[..., head_dim_v]`` and their natural-log ``lse_*`` ``[...]`` (float32), as
     ``attention(..., return_lse=True)`` or ``decode(..., return_lse=True)`` return them for
-    the two key sets; ``-inf`` marks a row that saw no key. Returns ``(o, lse)`` like ``o_a``.
-    The split-KV combine step uses the same weights: ``exp(lse_x - lse)``.
+    the two key sets; ``-inf`` marks a row that saw no key (both ``-inf``: ``o`` 0, ``lse`` ``-inf``).
+    A NaN or ``+inf`` ``lse`` on either side makes that row's ``o`` and ``lse`` NaN (``+inf`` leaves
+    no finite weights). Returns ``(o, lse)`` like ``o_a``. The split-KV combine step uses the same
+    weights: ``exp(lse_x - lse)``.
     """
     ops = [describe(x, n) for x, n in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b"))]
     oa, la, ob, lb = ops
@@ -905,16 +939,18 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     rows, dv = int(np.prod(oa.shape[:-1])), oa.shape[-1]
     kernel = merge_kernel(oa.dtype, dv)
     if oa.device is None:
-        flat = [np.ascontiguousarray(host_storage(x, op)).reshape(-1, dv) if i % 2 == 0
-                else np.ascontiguousarray(host_storage(x, op)).reshape(-1)
+        flat = [np.ascontiguousarray(host_storage(x, op)).reshape(rows, dv) if i % 2 == 0
+                else np.ascontiguousarray(host_storage(x, op)).reshape(rows)
                 for i, (x, op) in enumerate(zip((o_a, lse_a, o_b, lse_b), ops))]
         o = np.empty((rows, dv), storage_dtype(oa.dtype))
         lse = np.empty(rows, np.float32)
-        if rows:
+        if rows and SIMULATOR and not simulating():  # the CPU path
+            merged, lse = cpu.merge_states(float32_values(flat[0], oa.dtype), flat[1], float32_values(flat[2], oa.dtype),
+                                           flat[3])
+            o = rounded_storage(merged, oa.dtype)
+        elif rows:
             if SIMULATOR:
-                from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-                kernel[rows, NUM_THREADS](*(FakeCUDAArray(a) for a in (*flat, o, lse)))
+                compiled(kernel, None, 0, 0, f"merge {oa.dtype}").launch_arrays(rows, NUM_THREADS, *flat, o, lse)
             else:
                 device = [cuda.to_device(a) for a in (*flat, o, lse)]
                 kernel[rows, NUM_THREADS](*device)

@@ -11,18 +11,29 @@ import numba
 import numpy as np
 from numba import types
 
-from .._arrays import contiguous_strides, describe, host_storage, is_torch, storage_dtype, torch_current, wrap_host
-from .._cuda import SIMULATOR
+from .._arrays import (
+    contiguous_strides,
+    describe,
+    float32_values,
+    host_storage,
+    is_torch,
+    rounded_storage,
+    storage_dtype,
+    torch_current,
+    wrap_host,
+)
+from .._cuda import SIMULATOR, simulating
+from ..kernels import cpu
 from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
 from .attention import LOG2E, softmax_scale
+from .checks import DeviceIndexCheck, check_lengths_and_pages
 from .decode import (
     TorchOutputs,
     _signature,
     _where,
-    check_lengths_and_pages,
     page_indices,
     paged_decode,
     split_count,
@@ -30,6 +41,8 @@ from .decode import (
 from .workspace import capturing_now
 
 MAX_RANK, MAX_ROPE = 512, 64
+RANK_MULTIPLE = 64  # the 16-bit kernels: 16 output columns per warp, 4 or 8 warps (``mla_candidates``)
+_CAPACITY_TEXT = "max_pages * page_size"
 
 
 @dataclass(frozen=True)
@@ -91,9 +104,11 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
         raise ValueError(f"kpe_cache must have ckv_cache's (num_pages, page_size) {ckv.shape[:2]}, got {kpe.shape[:2]}")
     if 0 in (batch, heads, *ckv.shape):
         raise ValueError(f"q_nope and ckv_cache must not be empty, got shapes {qn.shape} and {ckv.shape}")
-    if rank % 16 or rank > MAX_RANK or rope % 16 or rope > MAX_ROPE:
-        raise ValueError(f"kv_lora_rank must be a multiple of 16 up to {MAX_RANK} and rope_dim a multiple of 16 up "
-                         f"to {MAX_ROPE} (0 allowed), got {rank} and {rope}")
+    if rank % (16 if qn.dtype == "float32" else RANK_MULTIPLE) or rank > MAX_RANK:
+        raise ValueError(f"kv_lora_rank must be a multiple of {RANK_MULTIPLE} up to {MAX_RANK} in float16 and "
+                         f"bfloat16 (a multiple of 16 in float32), got {rank} in {qn.dtype}")
+    if rope % 16 or rope > MAX_ROPE:
+        raise ValueError(f"rope_dim must be a multiple of 16 up to {MAX_ROPE} (0 allowed), got {rope}")
     if qn.dtype != "float32":  # float32 goes through a concatenated copy of the caches
         for op, name in zip(ops, names):
             _aligned_rows(op, name)
@@ -141,6 +156,13 @@ class _Plan:
         self.part_shape = (p.batch, p.heads, 1, self.splits, p.rank)
         self.label = f"mla {kernel_config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
 
+    def check_values(self, page_table, seqlens):
+        """``ValueError`` for lengths above the table's capacity or used page indices outside the cache
+        (host arrays here; see ``_TorchPlan`` for device arrays)."""
+        p = self.problem
+        check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, _CAPACITY_TEXT, p.page_size,
+                                p.num_pages)
+
 
 class _TorchPlan(_Plan):
     """torch CUDA tensors on torch's current stream: prepared launches, outputs from torch's allocator."""
@@ -177,6 +199,17 @@ class _TorchPlan(_Plan):
             self.launch_combine = combine.prepare(self.combine_grid, NUM_THREADS, fields, slots)
         self.outputs = TorchOutputs(torch, p.device, p.dtype, (p.batch, p.heads, p.rank),
                                     (p.batch, p.heads) if p.return_lse else None, self.part_shape if self.split else None)
+        self._index_check = None
+
+    def check_values(self, page_table, seqlens):
+        """Raise what an earlier call's check found on this GPU, then queue the check of these lengths and
+        page indices on torch's current stream (no synchronisation)."""
+        if self._index_check is None:
+            p = self.problem
+            table, lengths = p.shapes[4:]
+            self._index_check = DeviceIndexCheck(p.device, table, lengths, p.max_pages * p.page_size, _CAPACITY_TEXT,
+                                                 p.page_size, p.num_pages)
+        self._index_check(self._stream(self.problem.device), page_table.data_ptr(), seqlens.data_ptr())
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         if self._get_device() != self.problem.device:
@@ -193,8 +226,8 @@ class _TorchPlan(_Plan):
 
 
 class _HostPlan(_Plan):
-    """Host arrays: in numba's simulator the kernels run on numpy views; on a GPU machine the
-    arrays travel through torch CUDA tensors."""
+    """Host arrays: on a GPU machine they travel through torch CUDA tensors; without a GPU the CPU path
+    runs, or under ``numattn.simulate()`` the kernels in numba's simulator on numpy arrays."""
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         p = self.problem
@@ -202,19 +235,27 @@ class _HostPlan(_Plan):
         arrays += [np.ascontiguousarray(_host_index(x)) for x in (page_table, seqlens)]
         if not SIMULATOR:
             return self._through_torch(q_nope, arrays)
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        if simulating():
+            out, lse = self._simulated(arrays)
+        else:
+            o, lse = cpu.mla_decode(*(float32_values(a, p.dtype) for a in arrays[:4]), *arrays[4:], p.scale)
+            out = rounded_storage(o, p.dtype)
+        result = wrap_host(out, q_nope, p.dtype)
+        return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
 
+    def _simulated(self, arrays):
+        """``(output storage, lse)`` of the GPU kernels in numba's simulator."""
+        p = self.problem
         out = np.empty((p.batch, p.heads, p.rank), storage_dtype(p.dtype))
         lse = np.empty((p.batch, p.heads) if p.return_lse else (1, 1), np.float32)
         part = np.empty(self.part_shape if self.split else (1,) * 5, np.float32)
         part_lse = np.empty(self.part_shape[:4] if self.split else (1,) * 4, np.float32)
-        args = [FakeCUDAArray(a) for a in (*arrays, out, lse, part, part_lse)]
-        self.kernel[self.grid, self.threads, 0, self.shared_bytes](*args, np.float32(p.scale * LOG2E))
+        compiled(self.kernel, None, 0, self.shared_bytes, self.label).launch_arrays(
+            self.grid, self.threads, *arrays, out, lse, part, part_lse, np.float32(p.scale * LOG2E))
         if self.split:
-            o4, lse3 = out[:, :, None, :], lse[:, :, None]
-            self.combine[self.combine_grid, NUM_THREADS](args[8], args[9], FakeCUDAArray(o4), FakeCUDAArray(lse3))
-        result = wrap_host(out, q_nope, p.dtype)
-        return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
+            compiled(self.combine, None, 0, 0, "combine").launch_arrays(
+                self.combine_grid, NUM_THREADS, part, part_lse, out[:, :, None, :], lse[:, :, None])
+        return out, lse
 
     def _through_torch(self, like, arrays):
         import torch
@@ -258,11 +299,13 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
     seqlens : int32 ``[batch]``: latent rows per sequence (0 gives zeros and an LSE of ``-inf``).
     scale : float, required: the softmax scale (of the model's un-absorbed head dim).
     return_lse : also return the natural-log log-sum-exp per head, float32 ``[batch, heads]``.
-    check : check ``seqlens`` and the page indices they use (a host copy of device arrays, a
-        synchronisation; skipped under CUDA-graph capture). Unchecked values are clamped.
+    check : check ``seqlens`` and the page indices they use, as ``decode`` does: device arrays on the
+        GPU without a synchronisation, a bad value raised by the next checked call; skipped under
+        CUDA-graph capture. Unchecked values are clamped into range.
 
-    ``kv_lora_rank`` a multiple of 16 up to 512, ``rope_dim`` a multiple of 16 up to 64; rows
-    contiguous. Returns ``o`` ``[batch, heads, kv_lora_rank]`` like ``q_nope``, or ``(o, lse)``.
+    ``kv_lora_rank`` a multiple of 64 up to 512 (of 16 in float32), ``rope_dim`` a multiple of 16
+    up to 64; rows contiguous. Returns ``o`` ``[batch, heads, kv_lora_rank]`` like ``q_nope``, or
+    ``(o, lse)``; a NaN score makes its head's output and LSE NaN.
 
     Examples
     --------
@@ -297,8 +340,7 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
             _PLANS[key] = plan
     p = plan.problem
     if check and not (p.device is not None and _capturing_torch()):
-        check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size",
-                                p.page_size, p.num_pages)
+        plan.check_values(page_table, seqlens)
     return plan(*arrays)
 
 

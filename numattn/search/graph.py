@@ -8,6 +8,7 @@ interpreter, the matcher and the cache key all walk the same structure.
 """
 
 import hashlib
+import operator
 from dataclasses import dataclass, field
 
 MAX_RANK = 4
@@ -27,6 +28,7 @@ float16, bfloat16, float32 = DType("float16"), DType("bfloat16"), DType("float32
 DTYPES = {d.name: d for d in (float16, bfloat16, float32)}
 
 UNARY = ("exp", "sqrt", "square", "silu")
+_CONSTANTS = {"reduction": ("dim",), "reduction_max": ("dim",), "mul_scalar": ("scalar",), "rms_norm": ("eps",)}
 BINARY = ("add", "sub", "mul", "div")
 
 
@@ -100,7 +102,7 @@ class KernelGraph:
         ``strides`` (elements, optional) records the layout the caller will pass;
         any layout is accepted at call time, so it only documents intent."""
         try:
-            dims = tuple(int(d) for d in dims)
+            dims = tuple(operator.index(d) for d in dims)
         except TypeError:
             raise TypeError(f"new_input: dims must be a sequence of ints, got {dims!r}") from None
         if not 1 <= len(dims) <= MAX_RANK or min(dims) < 1:
@@ -189,6 +191,23 @@ class KernelGraph:
         if t not in self.outputs:
             self.outputs.append(t)
 
+    def with_input_dims(self, dims):
+        """A copy of this graph whose inputs have shapes ``dims`` (one per input, in order), every
+        operation added again, so shape checks apply: ValueError where ``dims`` are inconsistent."""
+        graph = KernelGraph()
+        copies = {}
+        for node in self.nodes:
+            if node.op == "input":
+                t = graph.new_input(dims[node.attrs["position"]], node.output.dtype)
+            else:
+                args = [copies[i.node.index] for i in node.inputs]
+                constants = [node.attrs[name] for name in _CONSTANTS.get(node.op, ())]
+                t = getattr(graph, node.op)(*args, *constants)
+            copies[node.index] = t
+        for r in self.results():
+            graph.mark_output(copies[r.node.index])
+        return graph
+
     # -- inspection ----------------------------------------------------------------------------
     def results(self):
         """The marked outputs, or when none were marked the sinks (tensors no operation reads)."""
@@ -219,7 +238,7 @@ class KernelGraph:
         return hashlib.sha256(self.canonical().encode()).hexdigest()[:24]
 
     def superoptimize(self, config="attention", backend=None, warmup_iters=16, profile_iters=1000,
-                      previous_checkpoint=None, verbose=False):
+                      previous_checkpoint=None, verbose=True):
         """Search fused, equivalence-checked kernels for this graph; returns a callable ``OptimizedGraph``.
 
         See ``numattn.search.pipeline.superoptimize``."""

@@ -2,19 +2,19 @@
 
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from .. import __version__
 from .._arrays import describe, from_dlpack
-from .._cuda import SIMULATOR
+from .._cuda import SIMULATOR, simulate
 from ..kernels.launch import device_limits
 from ..ops.attention import _validate, split_options, tile_candidates
 from . import cache
-from .graph import KernelGraph
 from .match import find_attention
 from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature
-from .tune import Progress, model_seconds, time_seconds
+from .tune import SearchLog, model_seconds, time_seconds
 from .verify import fingerprint_check, numeric_check
 
 CONFIGS = ("attention",)
@@ -75,8 +75,8 @@ def candidates(graph, sample):
 
 
 class OptimizedGraph:
-    """The result of ``superoptimize``: call it with the graph's inputs (positionally or as
-    ``inputs=[...]``) to get a list with one array per output."""
+    """The result of ``superoptimize``: call it with the graph's inputs — positionally, as one list or
+    tuple, or as ``inputs=[...]`` — to get a list with one array per output."""
 
     def __init__(self, graph, plan, table):
         self.graph, self.plan, self.table = graph, plan, table
@@ -90,6 +90,8 @@ class OptimizedGraph:
     def __call__(self, *args, inputs=None):
         if inputs is not None and args:
             raise TypeError("pass the inputs positionally or as inputs=[...], not both")
+        if inputs is None and len(args) == 1 and isinstance(args[0], (list, tuple)):
+            inputs = args[0]  # optimized_graph([q, k, v]), as Mirage's tutorials call it
         arrays = args if inputs is None else inputs
         signature, pointers = torch_signature(arrays)
         run = self._validated.get(signature) if signature is not None else None
@@ -117,48 +119,32 @@ class OptimizedGraph:
 
     def _respecialize(self, dims):
         """The plan for new input shapes: the graph rebuilt for them (shape checks included), same plan kind."""
-        graph = KernelGraph()
-        copies = {}
-        for node in self.graph.nodes:
-            if node.op == "input":
-                t = graph.new_input(dims[node.attrs["position"]], node.output.dtype)
-            else:
-                args = [copies[i.node.index] for i in node.inputs]
-                try:
-                    t = getattr(graph, node.op)(*args, *_positional(node))
-                except ValueError as e:
-                    declared = ", ".join(str(t.dims) for t in self.graph.inputs)
-                    raise ValueError(
-                        f"input shapes {', '.join(map(str, dims))} are inconsistent with the graph "
-                        f"(declared {declared}): {e}") from None
-            copies[node.index] = t
-        for r in self.graph.results():
-            graph.mark_output(copies[r.node.index])
-        matches = tuple(find_attention(graph)) if self.plan.kind == "fused" else ()
-        plan = (Plan(self.plan.kind, matches, self.plan.config, self.plan.k_layout, self.plan.splits) if matches
-                else Plan("unfused"))
-        runner = Runner(graph, plan)
+        try:
+            graph = self.graph.with_input_dims(dims)
+        except ValueError as e:
+            declared = ", ".join(str(t.dims) for t in self.graph.inputs)
+            raise ValueError(f"input shapes {', '.join(map(str, dims))} are inconsistent with the graph "
+                             f"(declared {declared}): {e}") from None
+        runner = Runner(graph, _same_plan(self.plan, graph))
         self._runners[tuple(dims)] = runner
         return runner
 
     def explain(self, file=None):
-        """Print the candidates (plan, verified?, time) and the winner."""
-        lines = [f"{'candidate':72} {'verified':>9} {'time':>12}  note"]
-        for row in self.table:
-            t = f"{row['seconds'] * 1e6:9.1f} us" if row["seconds"] is not None else "-"
-            lines.append(f"{row['plan']:72} {'yes' if row['verified'] else 'no':>9} {t:>12}  {row['note']}")
+        """Print the candidates (plan, verified?, time) and the winner, in columns as wide as their content."""
+        cells = [("candidate", "verified", "time", "note")] + [
+            (row["plan"], "yes" if row["verified"] else "no",
+             f"{row['seconds'] * 1e6:.1f} us" if row["seconds"] is not None else "-", row["note"])
+            for row in self.table]
+        plan_w, verified_w, time_w = (max(len(c[i]) for c in cells) for i in range(3))
+        lines = [f"{p:{plan_w}} {v:>{verified_w}} {t:>{time_w}}  {n}".rstrip() for p, v, t, n in cells]
         lines.append(f"winner: {self.plan.describe()}")
         print("\n".join(lines), file=file)
 
 
-def _positional(node):
-    if node.op in ("reduction", "reduction_max"):
-        return (node.attrs["dim"],)
-    if node.op == "mul_scalar":
-        return (node.attrs["scalar"],)
-    if node.op == "rms_norm":
-        return (node.attrs["eps"],)
-    return ()
+def _same_plan(plan, graph):
+    """``plan``'s kind, configuration, key layout and splits for ``graph`` (another shape of its graph)."""
+    matches = tuple(find_attention(graph)) if plan.kind == "fused" else ()
+    return Plan(plan.kind, matches, plan.config, plan.k_layout, plan.splits) if matches else Plan("unfused")
 
 
 def _device_id():
@@ -172,13 +158,18 @@ def _device_id():
 
 
 def superoptimize(graph, config="attention", backend=None, warmup_iters=16, profile_iters=1000,
-                  previous_checkpoint=None, verbose=False, seed=None):
+                  previous_checkpoint=None, verbose=True, seed=None):
     """Search the plans of ``graph``, verify each against it, rank the verified ones, cache the winner.
 
-    On a GPU each verified candidate is timed (``warmup_iters`` calls, then
-    ``profile_iters`` calls in batches timed with CUDA events); in the simulator
-    a cost model ranks them. The result is cached on disk (see ``cache.py``)
-    and returned as an ``OptimizedGraph``."""
+    Stages: candidates enumerated (tile configurations and key splits the kernels offer) and pruned
+    (those the device cannot hold); in the cost model's order, up to ``MAX_TRIED`` checked for
+    equivalence with the graph (finite-field fingerprints), compiled, run and verified against a
+    float64 evaluation, then timed: on a GPU ``warmup_iters`` calls, then ``profile_iters`` calls in
+    batches timed with CUDA events; without one the kernels are verified in numba's CUDA simulator
+    at small proxy shapes (they are shape-generic) and a cost model ranks them, and the winner runs
+    on the CPU path. ``verbose`` (the default) reports each stage on stderr as it ends, with a live
+    bar on a terminal. The result is cached on disk (see ``cache.py``) and returned as an
+    ``OptimizedGraph``."""
     if config not in CONFIGS:
         raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
     if backend not in (None, "cuda"):
@@ -189,32 +180,44 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
         raise TypeError("every input of the graph must have the same dtype")
     if not graph.results():
         raise ValueError("the graph computes nothing: add operations or mark an output")
+    log = SearchLog(verbose)
+    started = time.perf_counter()
     device = _device_id()
     limits = device_limits(0 if device is None else device)
+    matches = find_attention(graph)
+    log.stage(f"{len(graph.nodes) - len(graph.inputs)} operations on inputs "
+              f"{', '.join(str(t.dims) for t in graph.inputs)}; {len(matches)} attention subgraph(s) matched; "
+              f"device: {limits['name']}")
+    rng = np.random.default_rng(seed)
+    sample, _ = random_inputs(graph, rng, device)
+    plans, pruned = candidates(graph, sample)
     key = cache.cache_key(graph, limits, __version__)
     path = cache.cache_path(previous_checkpoint)
     hit = cache.load(path, key)
     if hit is not None:
-        matches = tuple(find_attention(graph)) if hit["kind"] == "fused" else ()
-        plan = Plan(hit["kind"], matches, hit["config"], hit["k_layout"], hit["splits"])
-        return OptimizedGraph(graph, plan, hit["table"])
+        plan = Plan(hit["kind"], tuple(matches) if hit["kind"] == "fused" else (), hit["config"], hit["k_layout"],
+                    hit["splits"])
+        if plan in plans:
+            log.stage(f"from the cache ({path}): {plan.describe()}")
+            return OptimizedGraph(graph, plan, hit["table"])
+        warnings.warn(f"ignoring numattn tuning cache entry in {path}: {plan.describe()} is not a candidate of "
+                      "this graph", cache.CacheWarning, stacklevel=2)
 
-    rng = np.random.default_rng(seed)
-    sample, _ = random_inputs(graph, rng, device)
-    plans, pruned = candidates(graph, sample)
     modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(plans))
-    progress = Progress(len(modelled), verbose or sys.stderr.isatty())
+    log.stage(f"{len(plans) + len(pruned)} candidates enumerated ({len(plans) - 1 + len(pruned)} fused, 1 unfused); "
+              f"{len(pruned)} pruned before compiling (shared memory or registers)")
+    simulated = device is None and SIMULATOR
     table = [{"plan": plan.describe(), "verified": False, "seconds": None, "note": f"pruned: {reason}"}
              for plan, reason in pruned]
     best, best_seconds, tried = None, None, 0
+    counts = {"equivalent": 0, "ran": 0, "verified": 0}
     semantics_verdict = {}
-    started = time.perf_counter()
+    bar = log.bar(min(MAX_TRIED, len(modelled)), "verify")
     for model, _, plan in modelled:
         row = {"plan": plan.describe(), "verified": False, "seconds": None, "note": ""}
         if best is not None and (tried >= MAX_TRIED or model > PRUNE_RATIO * modelled[0][0]):
             row["note"] = f"not tried: modelled {model * 1e6:.1f} us, best modelled {modelled[0][0] * 1e6:.1f} us"
             table.append(row)
-            progress.step(row["plan"])
             continue
         tried += 1
         semantics = plan.semantics(graph)
@@ -224,12 +227,23 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
         reason = semantics_verdict[text]
         runner = Runner(graph, plan)
         if reason is None:
-            reason, error = numeric_check(graph, runner, lambda: random_inputs(graph, rng, device))
+            counts["equivalent"] += 1
+            if simulated:  # the kernels' logic at small shapes: full ones would take minutes in the simulator
+                proxy_graph, proxy_plan = proxy(graph, plan)
+                with simulate():
+                    reason, error = numeric_check(proxy_graph, Runner(proxy_graph, proxy_plan),
+                                                  lambda: random_inputs(proxy_graph, rng, None))
+                shapes = ", ".join(str(t.dims) for t in proxy_graph.inputs)
+            else:
+                reason, error = numeric_check(graph, runner, lambda: random_inputs(graph, rng, device))
+                shapes = None
+            counts["ran"] += not (reason or "").startswith("failed to run")
             if reason is None:
-                row["note"] = f"max rel. error {error:.1e}"
+                row["note"] = f"max rel. error {error:.1e}" + (f" (simulated at {shapes})" if simulated else "")
         if reason is not None:
             row["note"] = reason
         else:
+            counts["verified"] += 1
             row["verified"] = True
             if device is None:
                 row["seconds"] = model_seconds(graph, plan)
@@ -240,10 +254,52 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
             if best is None or row["seconds"] < best_seconds:
                 best, best_seconds = plan, row["seconds"]
         table.append(row)
-        progress.step(row["plan"])
+        bar.step(row["plan"])
+    bar.close()
+    where = "in the simulator at proxy shapes" if simulated else "on " + limits["name"]
+    log.stage(f"{tried} tried in the cost model's order: {counts['equivalent']} equivalent to the graph, "
+              f"{counts['ran']} compiled and ran {where}, {counts['verified']} verified against float64")
     if best is None:
         raise RuntimeError("no candidate passed verification:\n" + "\n".join(f"{r['plan']}: {r['note']}" for r in table))
-    if verbose:
-        print(f"searched {len(modelled)} candidates ({tried} tried) in {time.perf_counter() - started:.1f} s")
+    timing = "modelled (no GPU)" if device is None else f"timed with CUDA events, {profile_iters} calls each"
+    log.stage(f"{counts['verified']} {timing}; {len(modelled) - tried} not tried (modelled slower)")
     cache.store(path, key, best, table)
+    log.stage(f"winner: {best.describe()}, {best_seconds * 1e6:.1f} us; searched in "
+              f"{time.perf_counter() - started:.1f} s, stored in {path}")
     return OptimizedGraph(graph, best, table)
+
+
+PROXY_QUERIES = 20  # query rows of a simulated verification: two query tiles of the simulator's kernels
+PROXY_BATCH = 2
+
+
+def proxy(graph, plan):
+    """``(graph, plan)`` that verify ``plan``'s kernels at small shapes: for a graph whose inputs are the
+    query, key and value of one attention subgraph, every batch extent cut to ``PROXY_BATCH``, the
+    queries to ``PROXY_QUERIES`` and the keys to two key tiles per split and a partial tile, their
+    count kept modulo 8 (16-byte alignment, which selects how the kernels copy K); head dims (which
+    select the kernels) kept. Other graphs: themselves."""
+    matches = find_attention(graph)
+    if len(matches) != 1 or len(graph.inputs) != 3:
+        return graph, plan
+    m = matches[0]
+    roles = {graph.nodes[i].attrs.get("position"): role for i, role in ((m.q, "q"), (m.k, "k"), (m.v, "v"))}
+    if set(roles) != {0, 1, 2}:
+        return graph, plan
+    block_n = getattr(plan.config, "block_n", 16)
+    seqlen_kv = graph.nodes[m.v].output.dims[-2]
+    keys = 2 * plan.splits * block_n + 8 + seqlen_kv % 8
+    dims = []
+    for t in graph.inputs:
+        *batch, rows, cols = t.dims
+        batch = [min(b, PROXY_BATCH) for b in batch]
+        role = roles[t.node.attrs["position"]]
+        if role == "q":
+            rows = min(rows, PROXY_QUERIES)
+        elif role == "k":
+            cols = min(cols, keys)
+        else:
+            rows = min(rows, keys)
+        dims.append((*batch, rows, cols))
+    small = graph.with_input_dims(dims)
+    return small, _same_plan(plan, small)

@@ -20,15 +20,17 @@ import numpy as np
 
 from .._arrays import (
     describe,
+    float32_values,
     from_dlpack,
     host_storage,
     is_torch,
     numba_storage_view,
+    rounded_storage,
     storage_dtype,
     torch_current,
     wrap_host,
 )
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR, cuda, simulating
 from ..kernels import graph_ops
 from ..kernels.launch import compiled
 from ..ops.attention import planned
@@ -104,6 +106,8 @@ class Runner:
         kind, x = value
         if kind == "wide":
             return x
+        if self.cpu:
+            return float32_values(host_storage(x, describe(x, "input")), self.dtype).reshape(_pad4(x.shape))
         src = self._storage(x)
         out = self._empty(src.shape, np.float32)
         self._launch(graph_ops.widen_kernel(self.dtype), out.size, src, out)
@@ -111,6 +115,8 @@ class Runner:
 
     def _narrow(self, wide, dims, like):
         """A float32 value as an array of the graph's dtype in the caller's library."""
+        if self.cpu:
+            return wrap_host(rounded_storage(wide, self.dtype).reshape(dims), like, self.dtype)
         if not self.host and is_torch(like) and like.is_cuda:  # into a torch tensor, seen by numba as storage
             import torch
 
@@ -195,8 +201,9 @@ class Runner:
         inputs = [from_dlpack(x) for x in inputs]
         like = inputs[0]
         self.host = SIMULATOR  # numpy arrays throughout; on a GPU, host inputs are copied in and out
+        self.cpu = SIMULATOR and not simulating()  # numpy operations rather than simulated kernels
         self.stream = 0
-        if not self.host and is_torch(like):
+        if not self.host and is_torch(like) and like.is_cuda:
             import torch
 
             self.stream = cuda.external_stream(torch.cuda.current_stream(like.device).cuda_stream)
@@ -214,8 +221,11 @@ class Runner:
 
     def _op(self, node, values):
         args = [self._wide(values[i.node.index]) for i in node.inputs]
-        out = self._empty(node.output.dims, np.float32)
         op = node.op
+        dim = 3 if op == "rms_norm" else node.attrs.get("dim", 0) + 4 - node.output.num_dims
+        if self.cpu:
+            return graph_ops.cpu_op(op, args, node.attrs, dim)
+        out = self._empty(node.output.dims, np.float32)
         if op in graph_ops._UNARY:
             self._launch(graph_ops.unary_kernel(op), out.size, args[0], out, np.float32(node.attrs.get("scalar", 0.0)))
         elif op in graph_ops._BINARY:
@@ -223,7 +233,6 @@ class Runner:
         elif op == "matmul":
             self._launch(graph_ops.matmul_kernel, out.size, args[0], args[1], out)
         else:
-            dim = 3 if op == "rms_norm" else node.attrs["dim"] + 4 - node.output.num_dims
             self._launch(graph_ops.reduce_kernel(op, dim), out.size, args[0], out,
                          np.float32(node.attrs.get("eps", 0.0)))
         return out

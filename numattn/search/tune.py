@@ -91,16 +91,36 @@ def time_seconds(run, input_sets, warmup_iters, profile_iters):
 
 
 class Progress:
-    """A one-line progress bar on stderr (shown when ``enabled``)."""
+    """A one-line progress bar on stderr (drawn when ``enabled``): ``step(label)`` after each item, ``close()``
+    at the end."""
 
-    def __init__(self, total, enabled):
-        self.total, self.enabled, self.done = total, enabled, 0
+    def __init__(self, total, enabled, label="search"):
+        self.total, self.enabled, self.label, self.done = total, enabled, label, 0
 
-    def step(self, label):
+    def step(self, item):
         self.done += 1
         if self.enabled:
-            filled = 30 * self.done // max(self.total, 1)
-            sys.stderr.write(f"\rsearch [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label[:50]:50}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
+            filled = 30 * min(self.done, self.total) // max(self.total, 1)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
+                             f"{item[:50]:50}")
             sys.stderr.flush()
+
+    def close(self):
+        if self.enabled and self.done:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class SearchLog:
+    """A search's report on stderr: one line per stage, and on a terminal a live bar; silent unless
+    ``enabled``."""
+
+    def __init__(self, enabled):
+        self.enabled = bool(enabled)
+
+    def stage(self, text):
+        if self.enabled:
+            print(f"numattn search: {text}", file=sys.stderr, flush=True)
+
+    def bar(self, total, label):
+        return Progress(total, self.enabled and sys.stderr.isatty(), label)
