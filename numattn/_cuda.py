@@ -12,6 +12,8 @@ Imported before anything else in the package:
   thread per CUDA thread, which checks their logic (the tests) but is slow.
 * numba-cuda 0.30 registers an overload for ``np.row_stack``, which numpy 2.5
   removed; the name is restored as a thin wrapper of ``np.vstack``.
+* numba-cuda 0.30's simulator makes static shared arrays without a lock; numattn
+  makes them under one (``_shared_array``).
 """
 
 import contextlib
@@ -53,6 +55,33 @@ from numba.cuda.core import config as _numba_config  # noqa: E402
 
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 """True when ``numba.cuda`` is numba's CUDA simulator (no GPU found, or ``NUMBA_ENABLE_CUDASIM=1``)."""
+
+if SIMULATOR:
+    import threading
+
+    from numba import types as _types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np.numpy_support import as_dtype as _as_dtype
+
+    _SHARED_ALLOCATION = threading.Lock()
+    _allocate_shared = FakeCUDAShared.array
+
+    def _shared_array(self, shape, dtype, alignment=None):
+        """The simulator's ``cuda.shared.array``, its static arrays made under a lock: numba-cuda 0.30 makes
+        the array of a call site when the first thread reaches it, unlocked, so that two threads switched
+        between its check and its store each got an array of their own (seen as garbage in the others')."""
+        if shape == 0 or alignment is not None:  # dynamic shared memory: one buffer, no per-site state
+            return _allocate_shared(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with _SHARED_ALLOCATION:
+            array = self._allocations.get(site)
+            if array is None:
+                array = self._allocations[site] = np.empty(shape, _as_dtype(dtype) if isinstance(dtype, _types.Type)
+                                                           else dtype)
+        return array
+
+    FakeCUDAShared.array = _shared_array
 
 _SIMULATING = contextvars.ContextVar(
     "numattn_simulating", default=SIMULATOR and os.environ.get("NUMATTN_SIMULATE", "") not in ("", "0"))

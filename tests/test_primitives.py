@@ -425,3 +425,32 @@ def test_last_block_reads_every_block_through_l2(where):
     np.testing.assert_allclose(totals[:, 1], expected, rtol=1e-4)
     assert counters.copy_to_host()[0, 0] == 0
 
+
+
+@pytest.mark.sim
+@pytest.mark.skipif(not numattn.SIMULATOR, reason="the simulator's shared memory")
+def test_simulator_static_shared_array_is_one_per_call_site():
+    """Threads reaching a ``cuda.shared.array`` line together all get its one array (numba-cuda's own
+    simulator makes it unlocked: two threads switched between its check and its store got two)."""
+    import threading
+
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(1000):
+            shared, barrier, arrays = FakeCUDAShared(0), threading.Barrier(16), [None] * 16
+
+            def allocate(i):
+                barrier.wait()
+                arrays[i] = shared.array(16, np.float32)
+
+            threads = [threading.Thread(target=allocate, args=(i,)) for i in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert all(array is arrays[0] for array in arrays)
+    finally:
+        sys.setswitchinterval(interval)
