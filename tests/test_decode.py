@@ -489,7 +489,7 @@ def test_index_check_kernel_reports_the_bad_value():
     from numattn.kernels.launch import compiled
 
     def check(table, lengths, capacity=6, page_size=2, num_pages=4):
-        claim, record = np.zeros(1, np.int32), np.zeros(4, np.int32)
+        claim, record = np.zeros(1, np.int32), np.zeros(index_check.RECORD_WORDS, np.int32)
         paged = table is not None
         table = table if paged else np.zeros((1, 1), np.int32)
         kernel = compiled(index_check.index_check_kernel(paged), None, 0, 0, "index check")
@@ -498,13 +498,14 @@ def test_index_check_kernel_reports_the_bad_value():
         return record.tolist()
 
     table = np.array([[0, 1, 2], [3, 9, -5]], np.int32)
-    assert check(table, np.array([5, 2], np.int32)) == [0, 0, 0, 0]  # unused entries are not checked
-    assert check(table, np.array([5, 3], np.int32)) == [index_check.PAGE_OUT_OF_RANGE, 1, 1, 9]
-    assert check(table, np.array([7, 0], np.int32)) == [index_check.LENGTH_ABOVE_CAPACITY, 0, 0, 7]
-    assert check(None, np.array([3, -1], np.int32)) == [index_check.LENGTH_BELOW_ZERO, 1, 0, -1]
+    assert check(table, np.array([5, 2], np.int32)) == [0, 0, 0, 0, 0]  # unused entries are not checked
+    assert check(table, np.array([5, 3], np.int32)) == [index_check.PAGE_OUT_OF_RANGE, 1, 1, 9, 4]
+    assert check(table, np.array([7, 0], np.int32)) == [index_check.LENGTH_ABOVE_PAGES, 0, 0, 7, 6]
+    assert check(None, np.array([3, 8], np.int32)) == [index_check.LENGTH_ABOVE_CACHE, 1, 0, 8, 6]
+    assert check(None, np.array([3, -1], np.int32)) == [index_check.LENGTH_BELOW_ZERO, 1, 0, -1, 6]
     # several bad values: one complete report
-    assert check(table, np.array([5, 6], np.int32)) in ([index_check.PAGE_OUT_OF_RANGE, 1, 1, 9],
-                                                          [index_check.PAGE_OUT_OF_RANGE, 1, 2, -5])
+    assert check(table, np.array([5, 6], np.int32)) in ([index_check.PAGE_OUT_OF_RANGE, 1, 1, 9, 4],
+                                                          [index_check.PAGE_OUT_OF_RANGE, 1, 2, -5, 4])
 
 
 @pytest.mark.gpu
@@ -522,8 +523,9 @@ def test_checked_calls_report_bad_indices_without_a_synchronisation():
     bad[1, 2] = k_pages.shape[0] + 5
     numattn.paged_decode(q, k_pages, v_pages, bad, lengths)  # queued; its check reports on the GPU
     torch.cuda.synchronize()
-    with pytest.raises(ValueError, match=rf"page_table\[1, 2\] = {k_pages.shape[0] + 5} is not a page index"):
-        numattn.paged_decode(q, k_pages, v_pages, table, lengths)
+    pages = k_pages.shape[0]
+    with pytest.raises(ValueError, match=rf"page_table\[1, 2\] = {pages + 5} is not a page index in \[0, {pages}\)"):
+        numattn.decode(q, k, v, seqlens=lengths)  # the next checked call on this GPU raises it, whichever it is
     numattn.paged_decode(q, k_pages, v_pages, table, lengths)  # the report was cleared
     numattn.decode(q, k, v, seqlens=torch.tensor([41, 3], dtype=torch.int32, device="cuda"))
     torch.cuda.synchronize()

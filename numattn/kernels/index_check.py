@@ -8,16 +8,20 @@ after which no other thread reports) and writes what it found to ``record``, an
 array in pinned host memory that the host reads at a later call, without waiting
 for the GPU:
 
-``record = [kind, b, j, value]``: kind 0 when nothing was found, ``LENGTH_BELOW_ZERO`` or
-``LENGTH_ABOVE_CAPACITY`` for ``seqlens[b] = value``, ``PAGE_OUT_OF_RANGE`` for
-``page_table[b, j] = value``. The kind is written last, after a system-wide fence.
+``record = [kind, b, j, value, limit]``: kind 0 when nothing was found; ``LENGTH_BELOW_ZERO``,
+``LENGTH_ABOVE_CACHE`` (a contiguous cache of ``limit`` keys) or ``LENGTH_ABOVE_PAGES`` (a page
+table of ``limit`` keys) for ``seqlens[b] = value``; ``PAGE_OUT_OF_RANGE`` for ``page_table[b, j] =
+value`` with ``limit`` pages. The kind is written last, after a system-wide fence.
 """
 
 import functools
 
+from numba import int32
+
 from .._cuda import cuda
 
-LENGTH_BELOW_ZERO, LENGTH_ABOVE_CAPACITY, PAGE_OUT_OF_RANGE = 1, 2, 3
+LENGTH_BELOW_ZERO, LENGTH_ABOVE_CACHE, LENGTH_ABOVE_PAGES, PAGE_OUT_OF_RANGE = 1, 2, 3, 4
+RECORD_WORDS = 5
 THREADS = 128
 
 
@@ -28,9 +32,9 @@ def grid(batch, max_pages):
 
 
 @cuda.jit(device=True)
-def _report(claim, record, kind, b, j, value):
+def _report(claim, record, kind, b, j, value, limit):
     if cuda.atomic.cas(claim, 0, 0, 1) == 0:
-        record[1], record[2], record[3] = b, j, value
+        record[1], record[2], record[3], record[4] = b, j, value, int32(min(limit, 2**31 - 1))
         cuda.threadfence_system()
         record[0] = kind
 
@@ -41,7 +45,8 @@ def index_check_kernel(paged):
     max_pages)`` blocks of ``THREADS`` threads: reports a ``seqlens[b]`` outside ``[0, capacity]`` and,
     when ``paged``, a ``page_table[b, j]`` that sequence ``b`` uses (``j · page_size < seqlens[b]``)
     outside ``[0, num_pages)``. ``claim``: int32 ``[1]`` in device memory, 0 until a report;
-    ``record``: int32 ``[4]`` in pinned host memory (see the module docstring)."""
+    ``record``: int32 ``[RECORD_WORDS]`` in pinned host memory (see the module docstring)."""
+    ABOVE = LENGTH_ABOVE_PAGES if paged else LENGTH_ABOVE_CACHE
 
     @cuda.jit
     def check(page_table, seqlens, capacity, page_size, num_pages, claim, record):
@@ -49,12 +54,12 @@ def index_check_kernel(paged):
         j = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
         length = seqlens[b]
         if j == 0 and length < 0:
-            _report(claim, record, LENGTH_BELOW_ZERO, b, 0, length)
+            _report(claim, record, LENGTH_BELOW_ZERO, b, 0, length, capacity)
         if j == 0 and length > capacity:
-            _report(claim, record, LENGTH_ABOVE_CAPACITY, b, 0, length)
+            _report(claim, record, ABOVE, b, 0, length, capacity)
         if paged and j < page_table.shape[1] and j * page_size < length:
             page = page_table[b, j]
             if page < 0 or page >= num_pages:
-                _report(claim, record, PAGE_OUT_OF_RANGE, b, j, page)
+                _report(claim, record, PAGE_OUT_OF_RANGE, b, j, page, num_pages)
 
     return check

@@ -61,7 +61,7 @@ def _page_message(b, j, value, num_pages):
 
 
 class _Reports:
-    """One GPU's report slot: ``claim`` (an int32 in device memory) and ``record`` (four int32 in pinned,
+    """One GPU's report slot: ``claim`` (an int32 in device memory) and ``record`` (int32 in pinned,
     mapped host memory), as ``kernels/index_check.py`` writes them."""
 
     def __init__(self, device):
@@ -69,27 +69,26 @@ class _Reports:
 
         with cuda.gpus[device]:
             flags = driver.CU_MEMHOSTALLOC_PORTABLE | driver.CU_MEMHOSTALLOC_DEVICEMAP
-            self.record_host = driver_call(driver.cuMemHostAlloc(16, flags))[0]
+            self.record_host = driver_call(driver.cuMemHostAlloc(4 * index_check.RECORD_WORDS, flags))[0]
             self.record_device = int(driver_call(driver.cuMemHostGetDevicePointer(self.record_host, 0))[0])
             self.claim = int(driver_call(driver.cuMemAlloc(4))[0])
             driver_call(driver.cuMemsetD32(self.claim, 0, 1))
-        self.record = (ctypes.c_int32 * 4).from_address(self.record_host)
+        self.record = (ctypes.c_int32 * index_check.RECORD_WORDS).from_address(self.record_host)
         self.record[0] = 0
 
-    def raise_pending(self, stream, texts):
-        """Raise what an earlier check on this GPU found, if anything, and let checks report again
-        (``texts``: the capacity's value and description, the number of pages, for the message)."""
+    def raise_pending(self, stream):
+        """Raise what an earlier check on this GPU found, if anything, and let checks report again."""
         kind = self.record[0]
         if not kind:
             return
-        b, j, value = self.record[1], self.record[2], self.record[3]
+        b, j, value, limit = self.record[1:5]
         self.record[0] = 0
         zero_words(self.claim, 1, stream)
-        capacity, capacity_text, num_pages = texts
         if kind == index_check.PAGE_OUT_OF_RANGE:
-            message = _page_message(b, j, value, num_pages)
+            message = _page_message(b, j, value, limit)
         else:
-            message = _length_message(b, value, kind == index_check.LENGTH_BELOW_ZERO, capacity, capacity_text)
+            text = "the cache length" if kind == index_check.LENGTH_ABOVE_CACHE else "max_pages * page_size"
+            message = _length_message(b, value, kind == index_check.LENGTH_BELOW_ZERO, limit, text)
         raise ValueError(f"{message} (found on the GPU by the check of an earlier call, whose output was "
                          "computed with the value clamped into range)")
 
@@ -102,15 +101,15 @@ class DeviceIndexCheck:
     pointers (0 for no page table) raises what an earlier check on this GPU found, then queues the
     check of these values on ``stream``."""
 
-    def __init__(self, device, table, seqlens, capacity, capacity_text, page_size, num_pages):
+    def __init__(self, device, table, seqlens, capacity, page_size, num_pages):
         """``table`` and ``seqlens``: ``(shape, strides)`` of the int32 arrays (``table`` None for a
-        contiguous cache)."""
+        contiguous cache of ``capacity`` keys)."""
         from numba import types
 
         reports = _REPORTS.get(device)
         if reports is None:
             reports = _REPORTS[device] = _Reports(device)
-        self._reports, self._texts = reports, (capacity, capacity_text, num_pages)
+        self._reports = reports
         paged = table is not None
         table = table if paged else ((1, 1), (1, 1))
         i32, i64 = types.int32, types.int64
@@ -119,10 +118,10 @@ class DeviceIndexCheck:
         kernel = compiled(index_check.index_check_kernel(paged), argtypes, device, 0, f"index check paged={paged}")
         fields, slots = array_fields([(*table, 4), (*seqlens, 4)])
         fields += [capacity, page_size, num_pages, *flatten_array(reports.claim, (1,), (1,), 4),
-                   *flatten_array(reports.record_device, (4,), (1,), 4)]
+                   *flatten_array(reports.record_device, (index_check.RECORD_WORDS,), (1,), 4)]
         grid = index_check.grid(seqlens[0][0], table[0][1] if paged else 1)
         self._launch = kernel.prepare(grid, index_check.THREADS, fields, slots)
 
     def __call__(self, stream, page_table, seqlens):
-        self._reports.raise_pending(stream, self._texts)
+        self._reports.raise_pending(stream)
         self._launch(stream, page_table, seqlens)

@@ -394,7 +394,7 @@ class _DevicePlan(_Plan):
             p = self.problem
             table = None if p.page_table is None else (p.page_table.shape, p.page_table.strides)
             self._index_check = DeviceIndexCheck(p.device, table, (p.seqlens.shape, p.seqlens.strides), p.capacity,
-                                                 _capacity_text(p), p.k.shape[2], p.k.shape[0])
+                                                 p.k.shape[2], p.k.shape[0])
         self._index_check(self.stream_of(q), _pointer(page_table), _pointer(seqlens))
 
     def stream_of(self, q):

@@ -42,7 +42,6 @@ from .workspace import capturing_now
 
 MAX_RANK, MAX_ROPE = 512, 64
 RANK_MULTIPLE = 64  # the 16-bit kernels: 16 output columns per warp, 4 or 8 warps (``mla_candidates``)
-_CAPACITY_TEXT = "max_pages * page_size"
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ class _Plan:
         """``ValueError`` for lengths above the table's capacity or used page indices outside the cache
         (host arrays here; see ``_TorchPlan`` for device arrays)."""
         p = self.problem
-        check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, _CAPACITY_TEXT, p.page_size,
+        check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size", p.page_size,
                                 p.num_pages)
 
 
@@ -207,8 +206,8 @@ class _TorchPlan(_Plan):
         if self._index_check is None:
             p = self.problem
             table, lengths = p.shapes[4:]
-            self._index_check = DeviceIndexCheck(p.device, table, lengths, p.max_pages * p.page_size, _CAPACITY_TEXT,
-                                                 p.page_size, p.num_pages)
+            self._index_check = DeviceIndexCheck(p.device, table, lengths, p.max_pages * p.page_size, p.page_size,
+                                                 p.num_pages)
         self._index_check(self._stream(self.problem.device), page_table.data_ptr(), seqlens.data_ptr())
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
