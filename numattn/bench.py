@@ -444,6 +444,19 @@ def loop_us(fn, calls=1000, warmup=20):
     return start.elapsed_time(end) * 1e3 / calls
 
 
+def sdpa_loop_us(torch, q, k, v, **options):
+    """``{backend: µs per call}`` of ``loop_us`` for each SDPA backend that takes these inputs, inside
+    its ``sdpa_kernel`` context."""
+    timed = {}
+    for name in _sdpa_backends(torch):
+        try:
+            with backend_context(name):
+                timed[name] = loop_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, **options))
+        except RuntimeError:  # a backend that does not take these inputs
+            pass
+    return timed
+
+
 def bench_graph(batches=(1, 8)):
     """W6: the superoptimized Mirage GQA graph on the graph's inputs, against each SDPA backend on the
     inputs it is fastest with (contiguous 4-D ``[1, 2b, seqlen, head_dim]``, the keys transposed outside
@@ -475,13 +488,8 @@ def bench_graph(batches=(1, 8)):
                 return torch.matmul(e / e.sum(2, keepdim=True), v)
 
             row["numattn_us"] = loop_us(lambda: opt(q, k, v))
-            for name in _sdpa_backends(torch):
-                try:
-                    with backend_context(name):
-                        row[f"{name}_us"] = loop_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, scale=1.0))
-                except RuntimeError:  # a backend that does not take these inputs
-                    row[f"{name}_us"] = None
-            timed = {name: row[f"{name}_us"] for name in _sdpa_backends(torch) if row[f"{name}_us"] is not None}
+            timed = sdpa_loop_us(torch, q4, k4, v4, scale=1.0)
+            row.update({f"{name}_us": timed.get(name) for name in _sdpa_backends(torch)})
             row["best_sdpa"] = min(timed, key=timed.get)
             row["eager_us"] = loop_us(eager)
             rows.append(row)

@@ -27,3 +27,17 @@ def rng():
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def splits(monkeypatch):
+    """``force(count)``: decode's key splits forced to ``count`` (the heuristic gives 1 in the simulator
+    for the tests' sizes)."""
+    from numattn.ops import decode as module
+
+    def force(count):
+        real = module._splits
+        monkeypatch.setattr(module, "_splits", lambda p, rows, *args: (count, real(p, rows, *args)[1]))
+        monkeypatch.setattr(module, "_PLANS", {})
+
+    return force

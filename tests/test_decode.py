@@ -17,18 +17,6 @@ from helpers import as_dtype, max_error
 pytestmark = pytest.mark.sim
 
 
-@pytest.fixture
-def splits(monkeypatch):
-    """Force the number of key splits (the heuristic gives 1 in the simulator for these sizes)."""
-
-    def force(count):
-        real = module._splits
-        monkeypatch.setattr(module, "_splits", lambda p, rows, *args: (count, real(p, rows, *args)[1]))
-        monkeypatch.setattr(module, "_PLANS", {})
-
-    return force
-
-
 def _random(rng, shape, dtype):
     return as_dtype([rng.standard_normal(shape, dtype=np.float32)], dtype)[0]
 

@@ -15,7 +15,6 @@ from numattn.ops import mla as mla_module
 
 from conftest import ATOL
 from helpers import as_dtype, max_error
-from test_decode import splits  # noqa: F401 (the fixture forcing decode's key splits)
 
 pytestmark = pytest.mark.sim
 
@@ -178,7 +177,7 @@ def test_attention_nan_key_on_the_gpu(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype, split_count", [("float32", 1), ("float32", 2), ("float16", 1), ("float16", 2)])
-def test_decode_nan_key_gives_nan_rows(rng, splits, dtype, split_count):  # noqa: F811 (the fixture)
+def test_decode_nan_key_gives_nan_rows(rng, splits, dtype, split_count):
     """A NaN in key 5 of sequence 0 (length 40) and in key 30 of sequence 1 (length 20, so unseen): sequence
     0's rows are NaN, sequence 1's are not; CUDA-core (float32) and tensor-core (float16) kernels."""
     splits(split_count)

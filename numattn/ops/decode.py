@@ -251,10 +251,6 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
     )
 
 
-def _capacity_text(p):
-    return "the cache length" if p.page_table is None else "max_pages * page_size"
-
-
 # GPUs whose DRAM feeds each SM faster than this (GB/s; an H200's 4.8 TB/s on 132 SMs, not an H100's
 # 3.35) take a second block per SM where each split still streams at least LONG_SPLIT_KEYS keys:
 # measured on an H200, W2 (32768 keys) ran 2% faster in 4 splits than in 2, W3 (8192 keys) 9% slower
@@ -347,7 +343,8 @@ class _Plan:
         """``ValueError`` for lengths the caches cannot serve or used page indices outside the pages
         (host arrays: checked here; device arrays: see ``DeviceIndexCheck``)."""
         p = self.problem
-        check_lengths_and_pages(seqlens, page_table, p.capacity, _capacity_text(p), p.k.shape[2], p.k.shape[0])
+        what = "the cache length" if p.page_table is None else "max_pages * page_size"
+        check_lengths_and_pages(seqlens, page_table, p.capacity, what, p.k.shape[2], p.k.shape[0])
 
     def arrays(self):
         """``(shape, strides, itemsize)`` of the decode kernel's array arguments, in order."""

@@ -1,6 +1,5 @@
 """``superoptimize``: match → candidates → verify → rank → cache, and the callable result."""
 
-import sys
 import time
 import warnings
 
@@ -40,6 +39,18 @@ def random_inputs(graph, rng, device):
             exact.append(x.astype(np.float64))
             arrays.append(x)
     return arrays, exact
+
+
+def input_layouts(graph, device):
+    """Uninitialised arrays like ``random_inputs``'s (library, dtype, device, contiguous): what
+    ``candidates`` reads of the caller's arrays, at no cost of drawing values."""
+    dtype = graph.inputs[0].dtype.name
+    if device is not None or dtype == "bfloat16":
+        import torch
+
+        where = f"cuda:{device}" if device is not None else "cpu"
+        return [torch.empty(t.dims, dtype=getattr(torch, dtype), device=where) for t in graph.inputs]
+    return [np.empty(t.dims, np.float16 if dtype == "float16" else np.float32) for t in graph.inputs]
 
 
 def candidates(graph, sample):
@@ -188,9 +199,7 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
     log.stage(f"{len(graph.nodes) - len(graph.inputs)} operations on inputs "
               f"{', '.join(str(t.dims) for t in graph.inputs)}; {len(matches)} attention subgraph(s) matched; "
               f"device: {limits['name']}")
-    rng = np.random.default_rng(seed)
-    sample, _ = random_inputs(graph, rng, device)
-    plans, pruned = candidates(graph, sample)
+    plans, pruned = candidates(graph, input_layouts(graph, device))
     key = cache.cache_key(graph, limits, __version__)
     path = cache.cache_path(previous_checkpoint)
     hit = cache.load(path, key)
@@ -203,6 +212,7 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
         warnings.warn(f"ignoring numattn tuning cache entry in {path}: {plan.describe()} is not a candidate of "
                       "this graph", cache.CacheWarning, stacklevel=2)
 
+    rng = np.random.default_rng(seed)
     modelled = sorted((model_seconds(graph, plan), i, plan) for i, plan in enumerate(plans))
     log.stage(f"{len(plans) + len(pruned)} candidates enumerated ({len(plans) - 1 + len(pruned)} fused, 1 unfused); "
               f"{len(pruned)} pruned before compiling (shared memory or registers)")

@@ -11,7 +11,7 @@ interpretation of the graph, with a tolerance for the graph's dtype.
 
 import numpy as np
 
-from .._arrays import describe, host_storage
+from .._arrays import describe, float32_values, host_storage
 from .graph import KernelGraph
 from .interpret import (
     DivisionByZero,
@@ -105,7 +105,4 @@ def to_float64(x):
     if op.device is not None and op.kind != "numpy":
         x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
         return np.asarray(x, dtype=np.float64)
-    storage = host_storage(x, op)
-    if op.dtype == "bfloat16":
-        return (storage.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return storage.view(np.float16 if op.dtype == "float16" else np.float32).astype(np.float64)
+    return float32_values(host_storage(x, op), op.dtype).astype(np.float64)
