@@ -1,4 +1,4 @@
-"""Command line: ``python -m numattn demo | bench | info``."""
+"""Command line: ``python -m numattn demo | bench | info | cache``."""
 
 import argparse
 import contextlib
@@ -64,6 +64,26 @@ def bench(args):
     return bench_main(args)
 
 
+def cache(args):
+    """``cache info``: where compiled kernels are kept, each entry's kernel and size; ``cache clear``."""
+    from numattn.kernels import kernel_cache
+
+    directory = kernel_cache.cache_directory()
+    if directory is None:
+        print("the kernel cache is off (NUMATTN_KERNEL_CACHE=off): every process compiles its kernels")
+        return 0
+    if args.action == "clear":
+        print(f"removed {kernel_cache.clear(directory)} compiled kernels from {directory}")
+        return 0
+    listed = kernel_cache.entries(directory)
+    total = sum(size for _, _, size in listed)
+    print(f"kernel cache: {directory}{'' if directory.is_dir() else ' (not created yet)'}")
+    print(f"{len(listed)} compiled kernels, {total / 2**20:.1f} MiB")
+    for path, label, size in listed:
+        print(f"  {path.stem[:16]}  {size / 1024:8.1f} KiB  {label if label is not None else '(damaged: recompiled on use)'}")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numattn", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -86,7 +106,13 @@ def main(argv=None):
                          "against SDPA (bf16, batch 4, 32 heads, 4096 tokens, head_dim 128 and 64, causal or not)")
     p_bench.add_argument("--checked", action="store_true", help="also the default check=True of decode, paged_decode "
                          "and mla_decode against check=False")
+    p_bench.add_argument("--cold-start", action="store_true", help="also the first call of attention, decode, "
+                         "mla_decode and the autograd function in fresh processes, with the kernel cache empty, "
+                         "filled and off")
     p_bench.set_defaults(func=bench)
+    p_cache = sub.add_parser("cache", help="the compiled kernels kept on disk: where, which, how large; or remove them")
+    p_cache.add_argument("action", choices=("info", "clear"), help="info: list the entries; clear: remove them all")
+    p_cache.set_defaults(func=cache)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -546,6 +546,89 @@ def bench_checked(rounds=3):
     return rows
 
 
+# the first call of each case in a fresh process (``bench_cold_start``): inputs, then the call
+COLD_START_CASES = {
+    "attention bf16 D128 causal": (
+        "q, k, v = (torch.randn(2, 16, 1024, 128, device='cuda', dtype=torch.bfloat16) for _ in range(3))",
+        "numattn.attention(q, k, v, causal=True)"),
+    "attention fp16 D64": (
+        "q, k, v = (torch.randn(2, 16, 1024, 64, device='cuda', dtype=torch.float16) for _ in range(3))",
+        "numattn.attention(q, k, v)"),
+    "decode fp16 D128": (
+        "q = torch.randn(8, 32, 128, device='cuda', dtype=torch.float16)\n"
+        "k, v = (torch.randn(8, 8, 4096, 128, device='cuda', dtype=torch.float16) for _ in range(2))",
+        "numattn.decode(q, k, v)"),
+    "mla_decode (512, 64)": (
+        "q_nope, q_pe = torch.randn(64, 16, 512, device='cuda', dtype=torch.float16), "
+        "torch.randn(64, 16, 64, device='cuda', dtype=torch.float16)\n"
+        "ckv, kpe = torch.randn(64 * 16, 64, 512, device='cuda', dtype=torch.float16), "
+        "torch.randn(64 * 16, 64, 64, device='cuda', dtype=torch.float16)\n"
+        "table = torch.arange(64 * 16, device='cuda', dtype=torch.int32).reshape(64, 16)\n"
+        "lengths = torch.full((64,), 1000, device='cuda', dtype=torch.int32)",
+        "numattn.mla_decode(q_nope, q_pe, ckv, kpe, table, lengths, scale=0.1)"),
+    "numattn.torch.attention fwd + bwd bf16 D128 GQA": (
+        "import numattn.torch\n"
+        "q = torch.randn(2, 32, 1024, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "k, v = (torch.randn(2, 8, 1024, 128, device='cuda', dtype=torch.bfloat16, requires_grad=True) for _ in range(2))",
+        "numattn.torch.attention(q, k, v, causal=True).sum().backward()"),
+    "torch SDPA bf16 D128 causal": (
+        "q, k, v = (torch.randn(2, 16, 1024, 128, device='cuda', dtype=torch.bfloat16) for _ in range(3))",
+        "torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)"),
+}
+
+_COLD_START_SCRIPT = """
+import json, time
+start = time.perf_counter()
+import numba.cuda, torch
+torch.cuda.init()
+torch.empty(1, device='cuda')
+imported_torch = time.perf_counter()
+import numattn
+imported = time.perf_counter()
+{setup}
+torch.cuda.synchronize()
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    {call}
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+print(json.dumps({{"torch_numba_import_s": imported_torch - start, "numattn_import_s": imported - imported_torch,
+                  "first_call_s": times[0], "second_call_s": times[1]}}))
+"""
+
+
+def cold_start_run(case, cache):
+    """One fresh process running ``COLD_START_CASES[case]`` with the kernel cache ``cache`` (a directory, or
+    "off"): ``{torch_numba_import_s, numattn_import_s, first_call_s, second_call_s}``."""
+    import subprocess
+    import sys
+
+    setup, call = COLD_START_CASES[case]
+    script = _COLD_START_SCRIPT.format(setup=setup, call=call)
+    env = dict(os.environ, NUMATTN_KERNEL_CACHE=str(cache))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"cold-start case {case!r} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_cold_start(cases=tuple(COLD_START_CASES)):
+    """Rows of {case, cold, warm, off}: each case's times in three fresh processes, one after another:
+    with an empty kernel cache (every kernel compiled and stored), with the cache the first one filled,
+    and with the cache off (compiled again)."""
+    import tempfile
+
+    rows = []
+    for case in cases:
+        with tempfile.TemporaryDirectory() as directory:
+            row = {"case": case}
+            for label, cache in (("cold", directory), ("warm", directory), ("off", "off")):
+                row[label] = cold_start_run(case, cache)
+            rows.append(row)
+    return rows
+
+
 def main(args):
     torch = _torch()
     import numattn
@@ -617,6 +700,14 @@ def main(args):
             print(f"  {row['call']:58} {row['default_us']:8.1f} {row['unchecked_us']:8.1f} "
                   f"({row['default_us'] / row['unchecked_us'] - 1:+.1%}) | {row['default_loop_us']:8.1f} "
                   f"{row['unchecked_loop_us']:8.1f} ({row['default_loop_us'] / row['unchecked_loop_us'] - 1:+.1%})")
+    if args.cold_start:
+        results["cold_start"] = bench_cold_start()
+        print("first call in a fresh process (s; the kernel cache empty | filled by the first process | off), "
+              "import of numattn after torch and numba:")
+        for row in results["cold_start"]:
+            print(f"  {row['case']:48} {row['cold']['first_call_s']:7.2f} | {row['warm']['first_call_s']:6.3f} | "
+                  f"{row['off']['first_call_s']:7.2f}   second call {row['warm']['second_call_s'] * 1e3:6.2f} ms   "
+                  f"import {row['warm']['numattn_import_s']:.2f} s")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

@@ -128,3 +128,46 @@ def test_mixed_devices_rejected(rng):
     q, k, v = cuda_qkv(rng, "float16", 1, 2, 2, 8, 8, 64)
     with pytest.raises(ValueError, match=r"one device, got q on GPU 0, k on host memory, v on GPU 0"):
         numattn.attention(q, k.cpu(), v)
+
+
+_CACHED_RUN = """
+import hashlib, json, time
+import torch
+import numattn
+from numattn.kernels.launch import LOADED
+gen = torch.Generator(device='cuda').manual_seed(7)
+q, k, v = (torch.randn(1, 4, 300, 128, device='cuda', dtype=torch.bfloat16, generator=gen) for _ in range(3))
+torch.cuda.synchronize()
+start = time.perf_counter()
+o, lse = numattn.attention(q, k, v, causal=True, return_lse=True)
+torch.cuda.synchronize()
+first = time.perf_counter() - start
+print(json.dumps({"first_call_s": first, "kernels": [[kernel.label, list(kernel.attributes)] for kernel in LOADED],
+                  "digest": hashlib.sha256(o.cpu().view(torch.int16).numpy().tobytes()
+                                           + lse.cpu().numpy().tobytes()).hexdigest()}))
+"""
+
+
+def test_a_kernel_from_the_cache_is_the_compiled_one(tmp_path):
+    """Three fresh processes: the first compiles and stores the kernel, the second loads it from the cache,
+    the third (cache off) compiles it again; all three give bit-identical outputs and LSEs and the same
+    registers, shared and local memory, and the load takes a fraction of the compile."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from numattn.kernels import kernel_cache
+
+    def run(cache):
+        env = dict(os.environ, NUMATTN_KERNEL_CACHE=str(cache))
+        done = subprocess.run([sys.executable, "-c", _CACHED_RUN], env=env, capture_output=True, text=True,
+                              check=False, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    stored, loaded, compiled = run(tmp_path), run(tmp_path), run("off")
+    assert len(kernel_cache.entries(tmp_path)) == len(stored["kernels"]) >= 1
+    assert stored["digest"] == loaded["digest"] == compiled["digest"]
+    assert stored["kernels"] == loaded["kernels"] == compiled["kernels"]
+    assert loaded["first_call_s"] < 0.25 * min(stored["first_call_s"], compiled["first_call_s"])

@@ -2,7 +2,8 @@
 
 numba's dispatcher re-types and re-flattens its arguments on every launch,
 which costs tens of microseconds of host time. Here a kernel is compiled once
-per specialisation and device, its argument block is built once per call
+per specialisation and device (and kept on disk for later processes,
+``kernel_cache.py``), its argument block is built once per call
 signature (``PreparedLaunch``), and each launch only writes the data pointers
 that changed into that block before calling ``cuLaunchKernelEx``.
 
@@ -17,10 +18,12 @@ import functools
 import struct
 import sys
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
 from .._cuda import SIMULATOR, cuda
+from . import kernel_cache
 
 if not SIMULATOR:
     from cuda.bindings import driver as _driver
@@ -92,25 +95,57 @@ LOADED = []
 """Every ``CompiledKernel`` loaded in this process, for resource reports."""
 
 
+class FunctionAttributes(NamedTuple):
+    """A loaded kernel's resources: registers per thread, static shared, local (spill) and constant
+    bytes, the most threads a block may have."""
+
+    regs: int
+    shared: int
+    local: int
+    const: int
+    maxthreads: int
+
+    @classmethod
+    def of(cls, function):
+        attr = _driver.CUfunction_attribute
+        names = ("NUM_REGS", "SHARED_SIZE_BYTES", "LOCAL_SIZE_BYTES", "CONST_SIZE_BYTES", "MAX_THREADS_PER_BLOCK")
+        return cls(*(driver_call(_driver.cuFuncGetAttribute(getattr(attr, f"CU_FUNC_ATTRIBUTE_{name}"), function))[0]
+                     for name in names))
+
+
+def _compile(dispatcher, argtypes, label):
+    """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
+    the current device (numba's choice of target: sm_90a on sm_90, where wgmma needs it)."""
+    library = dispatcher.compile(argtypes)._codelibrary
+    if library._setup_functions:  # module initialisation (numba's NRT) that loading a bare cubin would skip
+        raise RuntimeError(f"kernel {label} needs numba's module setup; numattn's loader cannot run it")
+    cubin = library.get_cubin()
+    return kernel_cache.Entry(label, library._entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
+
+
 class CompiledKernel:
-    """A numba kernel compiled for one signature and loaded on one device; ``label`` names its variant."""
+    """A numba kernel compiled for one signature and loaded on one device; ``label`` names its variant.
+
+    The linked cubin comes from the kernel cache, or from numba (typing, lowering, NVVM, linking) and is
+    then stored there; either way the driver loads it as a library, so a kernel from the cache is the
+    very code a fresh compile gives.
+    """
 
     def __init__(self, dispatcher, argtypes, device_id, shared_bytes, label):
-        with cuda.gpus[device_id]:
-            kernel = dispatcher.compile(tuple(argtypes))
-            kernel.bind()
-            cufunc = kernel._codelibrary.get_cufunc()
+        argtypes = tuple(argtypes)
+        with cuda.gpus[device_id]:  # numba's (primary) context of that device is current
+            cc = device_limits(device_id)["cc"]
+            entry = kernel_cache.cached_kernel(kernel_cache.kernel_key(dispatcher, argtypes, cc),
+                                               lambda: _compile(dispatcher, argtypes, label))
+            self.library = driver_call(_driver.cuLibraryLoadData(entry.cubin, None, None, 0, None, None, 0))[0]
+            self.handle = driver_call(_driver.cuLibraryGetKernel(self.library, entry.entry_name.encode()))[0]
             self.context = driver_call(_driver.cuCtxGetCurrent())[0]
-            # numba loads kernels as context-independent library kernels; the launch takes this context's
-            # function of it, which the driver otherwise looks up on every launch (about 2 µs of host time)
-            handle = cufunc.handle
-            if isinstance(handle, _driver.CUkernel):
-                self.function = driver_call(_driver.cuKernelGetFunction(handle))[0]
-            else:
-                self.function = _driver.CUfunction(int(handle))
+            # the launch takes this context's function of the library kernel, which the driver would
+            # otherwise look up on every launch (about 2 µs of host time)
+            self.function = driver_call(_driver.cuKernelGetFunction(self.handle))[0]
         self.device_id = device_id
         self.label = label
-        self.attributes = cufunc.attrs  # regs, shared (static), local (spills), const, maxthreads
+        self.attributes = FunctionAttributes.of(self.function)
         self.shared_bytes = shared_bytes
         if shared_bytes > _DEFAULT_SHARED_LIMIT:
             limit = device_limits(device_id)["max_shared"]
@@ -120,7 +155,7 @@ class CompiledKernel:
                 _driver.cuKernelSetAttribute(
                     _driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     shared_bytes,
-                    cufunc.handle,
+                    self.handle,
                     _driver.CUdevice(device_id),
                 )
             )

@@ -1,0 +1,58 @@
+"""asv benchmarks of a process's first calls. ``track_first_call_s``: the first ``numattn.attention``
+in a fresh process with the kernel cache filled and with it off (GPU only; skipped without one).
+``time_cache_hit``: the host's share of loading one kernel from the cache (its key over the kernel's
+closures and one entry read back and checked), on any machine."""
+
+import os
+import shutil
+import tempfile
+
+import numattn
+from numattn.kernels import kernel_cache
+from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+
+
+class KernelCacheHit:
+    def setup(self):
+        self.directory = tempfile.mkdtemp()
+        os.environ["NUMATTN_KERNEL_CACHE"] = self.directory
+        self.kernel = mma_attention_kernel(MmaConfig(64, 4, 1, True), "float16", 128, 128, True, True)
+        self.argtypes = ("array(uint16, 4d, A)",) * 4 + ("array(float32, 3d, A)", "float32")
+        key = kernel_cache.kernel_key(self.kernel, self.argtypes, (9, 0))
+        kernel_cache.cached_kernel(key, lambda: kernel_cache.Entry("label", "_Z6kernel", os.urandom(100_000)))
+
+    def teardown(self):
+        os.environ.pop("NUMATTN_KERNEL_CACHE", None)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def time_cache_hit(self):
+        key = kernel_cache.kernel_key(self.kernel, self.argtypes, (9, 0))
+        kernel_cache.cached_kernel(key, lambda: None)
+
+
+class FirstCall:
+    timeout = 600
+    number, repeat = 1, 1
+    params = ["filled", "off"]
+    param_names = ["cache"]
+
+    def setup(self, cache):
+        if numattn.SIMULATOR:
+            raise NotImplementedError("needs a GPU")
+        self.directory = tempfile.mkdtemp()
+        if cache == "filled":
+            from numattn.bench import cold_start_run
+
+            cold_start_run("attention bf16 D128 causal", self.directory)  # compiles and stores
+
+    def teardown(self, cache):
+        if hasattr(self, "directory"):  # (setup may have raised)
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def track_first_call_s(self, cache):
+        from numattn.bench import cold_start_run
+
+        return cold_start_run("attention bf16 D128 causal", self.directory if cache == "filled" else "off")[
+            "first_call_s"]
+
+    track_first_call_s.unit = "s"

@@ -1,0 +1,150 @@
+"""The compiled-kernel cache on disk: keys, damaged entries, processes sharing it, the off switch.
+(That a kernel loaded from it equals a fresh compile is checked on the GPU, in test_gpu.py.)"""
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+from numattn.kernels import kernel_cache
+from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+
+pytestmark = pytest.mark.sim
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "kernels"
+    monkeypatch.setenv("NUMATTN_KERNEL_CACHE", str(directory))
+    return directory
+
+
+def entry(label="kernel A"):
+    return kernel_cache.Entry(label, "_Z6kernel", bytes(range(256)) * 40)
+
+
+def test_keys_follow_the_specialisation():
+    """One key per kernel factory's arguments and argument types: the same call gives the same key, a
+    different tile, dtype or flag another (each reaches the kernel through its closures)."""
+    def key(*args, argtypes=("array(uint16, 4d, A)",), cc=(9, 0)):
+        return kernel_cache.kernel_key(mma_attention_kernel(*args), argtypes, cc)
+
+    base = (MmaConfig(64, 4, 1, True), "float16", 64, 64, True, True)
+    assert key(*base) == key(*base)
+    variants = [
+        (MmaConfig(32, 4, 1, True), *base[1:]),
+        (base[0], "bfloat16", *base[2:]),
+        (*base[:4], False, True),
+        (*base[:5], False),
+    ]
+    keys = {key(*args) for args in variants}
+    assert len(keys) == len(variants) and key(*base) not in keys
+    assert key(*base, argtypes=("array(uint16, 4d, C)",)) != key(*base)
+    assert key(*base, cc=(8, 0)) != key(*base)
+
+
+def test_source_digest_changes_with_any_kernel_source(tmp_path):
+    package = tmp_path / "pkg" / "kernels"
+    package.mkdir(parents=True)
+    (package / "ptx.py").write_text("X = 1\n")
+    (package.parent / "_cuda.py").write_text("Y = 2\n")
+    before = kernel_cache.source_digest(package)
+    (package / "ptx.py").write_text("X = 3\n")
+    assert kernel_cache.source_digest.__wrapped__(package) != before
+    (package / "ptx.py").write_text("X = 1\n")
+    (package.parent / "_cuda.py").write_text("Y = 4\n")
+    assert kernel_cache.source_digest.__wrapped__(package) != before
+
+
+def test_an_entry_is_built_once_then_read(cache_dir):
+    builds = []
+
+    def build():
+        builds.append(1)
+        return entry()
+
+    first = kernel_cache.cached_kernel("k" * 64, build)
+    second = kernel_cache.cached_kernel("k" * 64, build)
+    assert first == second == entry() and len(builds) == 1
+    [(path, label, size)] = kernel_cache.entries()
+    assert (path.name, label) == ("k" * 64 + ".kernel", "kernel A") and size > len(entry().cubin)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered", "garbage", "empty"])
+def test_a_damaged_entry_is_compiled_again_with_a_warning(cache_dir, damage):
+    kernel_cache.cached_kernel("d" * 64, entry)
+    path = cache_dir / ("d" * 64 + ".kernel")
+    data = path.read_bytes()
+    damaged = {"truncated": data[:-100], "altered": data[:-1] + bytes([data[-1] ^ 1]),
+               "garbage": b"\x00\xff" * 50, "empty": b""}[damage]
+    path.write_bytes(damaged)
+    with pytest.warns(kernel_cache.KernelCacheWarning, match="damaged"):
+        rebuilt = kernel_cache.cached_kernel("d" * 64, lambda: entry("rebuilt"))
+    assert rebuilt.label == "rebuilt"
+    assert kernel_cache.read_entry(path) == rebuilt  # replaced by the new build
+
+
+def test_the_off_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMATTN_KERNEL_CACHE", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernel_cache.cache_directory() is None
+    builds = []
+    for _ in range(2):
+        kernel_cache.cached_kernel("o" * 64, lambda: builds.append(1) or entry())
+    assert len(builds) == 2 and not any(tmp_path.rglob("*"))
+
+
+def test_the_default_location_follows_xdg(tmp_path, monkeypatch):
+    monkeypatch.delenv("NUMATTN_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernel_cache.cache_directory() == tmp_path / "numattn" / "kernels"
+
+
+def test_an_unwritable_directory_warns_once_and_still_builds(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("NUMATTN_KERNEL_CACHE", str(blocker / "kernels"))  # below a file: cannot be created
+    with pytest.warns(kernel_cache.KernelCacheWarning, match="cannot store"):
+        assert kernel_cache.cached_kernel("u" * 64, entry) == entry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel_cache.cached_kernel("u" * 64, entry) == entry()
+
+
+def test_processes_starting_together_build_each_kernel_once(cache_dir, tmp_path):
+    """Four processes ask for the same two keys at once: each key is built by one of them, and every
+    process gets the whole entry."""
+    builds = tmp_path / "builds"
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from numattn.kernels import kernel_cache
+        def build(key):
+            with open({str(builds)!r}, "a") as log:
+                log.write(key[0] + "\\n")
+            time.sleep(0.5)
+            return kernel_cache.Entry("label " + key[0], "_Z6kernel", key.encode() * 1000)
+        for key in ("a" * 64, "b" * 64):
+            got = kernel_cache.cached_kernel(key, lambda: build(key))
+            assert got.cubin == key.encode() * 1000, "wrong entry"
+    """)
+    env = {"NUMATTN_KERNEL_CACHE": str(cache_dir), "NUMBA_ENABLE_CUDASIM": "1", "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    assert sorted(builds.read_text().split()) == ["a", "b"]
+    assert [label for _, label, _ in kernel_cache.entries()] == ["label a", "label b"]
+
+
+def test_cache_info_and_clear_on_the_command_line(cache_dir, capsys):
+    from numattn.__main__ import main
+
+    kernel_cache.cached_kernel("c" * 64, entry)
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert str(cache_dir) in out and "1 compiled kernels" in out and "kernel A" in out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1" in capsys.readouterr().out
+    assert kernel_cache.entries() == [] and not list(cache_dir.glob("*.lock"))
