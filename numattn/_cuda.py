@@ -13,7 +13,8 @@ Imported before anything else in the package:
 * numba-cuda 0.30 registers an overload for ``np.row_stack``, which numpy 2.5
   removed; the name is restored as a thin wrapper of ``np.vstack``.
 * numba-cuda 0.30's simulator makes static shared arrays without a lock; numattn
-  makes them under one (``_shared_array``).
+  makes them under one (``_shared_array``). Its ``cuda.jit`` is given the GPU
+  compiler's ``forceinline`` option, which it ignores.
 """
 
 import contextlib
@@ -82,6 +83,15 @@ if SIMULATOR:
         return array
 
     FakeCUDAShared.array = _shared_array
+
+    _simulator_jit = cuda.jit
+
+    def _jit(*args, forceinline=False, **options):
+        """The simulator's ``cuda.jit``, also taking the GPU compiler's ``forceinline`` (LLVM inlining, which
+        numattn's device functions ask for and a simulated call has no use for)."""
+        return _simulator_jit(*args, **options)
+
+    cuda.jit = _jit
 
 _SIMULATING = contextvars.ContextVar(
     "numattn_simulating", default=SIMULATOR and os.environ.get("NUMATTN_SIMULATE", "") not in ("", "0"))

@@ -616,8 +616,11 @@ def cold_start_run(case, cache):
 def bench_cold_start(cases=tuple(COLD_START_CASES)):
     """Rows of {case, cold, warm, off}: each case's times in three fresh processes, one after another:
     with an empty kernel cache (every kernel compiled and stored), with the cache the first one filled,
-    and with the cache off (compiled again)."""
+    and with the cache off (compiled again); ``kernels``: how many kernels the case compiled."""
     import tempfile
+    from pathlib import Path
+
+    from numattn.kernels import kernel_cache
 
     rows = []
     for case in cases:
@@ -625,6 +628,8 @@ def bench_cold_start(cases=tuple(COLD_START_CASES)):
             row = {"case": case}
             for label, cache in (("cold", directory), ("warm", directory), ("off", "off")):
                 row[label] = cold_start_run(case, cache)
+                if label == "cold":
+                    row["kernels"] = len(kernel_cache.entries(Path(directory)))  # the kernels the call compiled
             rows.append(row)
     return rows
 
@@ -706,8 +711,8 @@ def main(args):
               "import of numattn after torch and numba:")
         for row in results["cold_start"]:
             print(f"  {row['case']:48} {row['cold']['first_call_s']:7.2f} | {row['warm']['first_call_s']:6.3f} | "
-                  f"{row['off']['first_call_s']:7.2f}   second call {row['warm']['second_call_s'] * 1e3:6.2f} ms   "
-                  f"import {row['warm']['numattn_import_s']:.2f} s")
+                  f"{row['off']['first_call_s']:7.2f}   {row['kernels']} kernels   second call "
+                  f"{row['warm']['second_call_s'] * 1e3:6.2f} ms   import {row['warm']['numattn_import_s']:.2f} s")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

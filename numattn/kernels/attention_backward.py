@@ -36,11 +36,11 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     widen = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def at(x, b, h, i, d):
         return widen(x[b, h, i, d]) if widen is not None else x[b, h, i, d]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def dot(x, bx, hx, ix, y, by, hy, iy, n):
         total = float32(0.0)
         for d in range(n):

@@ -130,7 +130,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
     ROW_CHUNKS = 2 * mtiles  # 16-byte chunks of a query tile's lse2 (or delta) row
     narrow = NARROW[dtype]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy_rows(rows, lse2, delta, b, h, m0):
         """Issue the copies of query tile ``m0``'s lse2 and delta (rows past the end: the arrays' zero padding)
         into ``rows[0]`` and ``rows[1]``."""
@@ -141,7 +141,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
             else:
                 cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t):
         """Sᵀ into Pᵀ and dPᵀ into dSᵀ, in place, for the warp's keys ``key0 + 0..15`` and the query tile
         ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta). When ``masked``, keys past the end and keys
@@ -164,7 +164,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
                     s[0, n, e] = p
                     dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def store_rows(dst, acc, tiles, b, h, row0, nrows, scale, g, t):
         """``scale ·`` the warp's accumulator ``acc[0]`` (``tiles`` n8 tiles) into rows ``row0 + 0..15`` of
         ``dst[b, h]`` that lie below ``nrows``."""
@@ -175,7 +175,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
                     dst[b, h, row, 8 * n + 2 * t] = narrow(acc[0, n, 2 * half] * scale)
                     dst[b, h, row, 8 * n + 2 * t + 1] = narrow(acc[0, n, 2 * half + 1] * scale)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def add_dq(dq, acc, mt, tiles, b, h, row0, col0, seqlen_q, scale, g, t):
         """Atomically add ``scale ·`` the ``tiles`` accumulator tiles of m16 tile ``mt`` (queries
         ``row0 + 0..15``, columns from ``col0``) to ``dq[b, h]``, rows below ``seqlen_q``."""
@@ -227,14 +227,14 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
     copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
         """``c[mt, n] += A·B``: accumulator tile ``n`` of m16 tile ``mt``."""
         c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3] = mma(
             a0, a1, a2, a3, b0, b1, c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3]
         )
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def keys_times_queries(c, keys_s, queries_s, steps, key0, mat, mrow):
         """``c[0] += X Yᵀ`` over ``steps`` k-steps: A fragments of the warp's 16 rows of ``keys_s`` (from
         ``key0``), B fragments of two n8 tiles of ``queries_s`` rows per ``ldmatrix``."""
@@ -245,7 +245,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 mma_into(c, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
                 mma_into(c, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def fragment(a, c, kk):
         """A fragment of k-step ``kk`` from accumulator tiles ``2kk`` and ``2kk + 1``, into ``a[0..3]`` (one
         k-step at a time: at 255 registers there is no room for all of them, as the wgmma kernel keeps)."""

@@ -209,7 +209,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         else:
             copy_tile(dst, 0, dst.shape[0], k, b, h, n0, nkeys, D)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
         """``c[mt, n] += A·B``: accumulator tile ``n`` of the warp's m16 tile ``mt``."""
         c[mt, n, 0], c[mt, n, 1], c[mt, n, 2], c[mt, n, 3] = mma(
@@ -224,7 +224,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 q_s, warp_row0 + 16 * mt + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
             )
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
         smem = cuda.shared.array(0, uint16)
         q_s = tile_view(smem, 0, BLOCK_M, Q_ROW)

@@ -186,7 +186,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_kv_async(view, bars, k, v, b, h_kv, j):
         """Start this thread's copies of key tile ``j`` into its stage; the stage's FULL barrier counts them in."""
         stage = j % STAGES
@@ -194,13 +194,13 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         load_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, b, h_kv, j * BLOCK_N, k.shape[2], DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def wait_phase(bars, barrier, use):
         """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
         while not mbarrier_try_wait(bars, barrier, use % 2):
             pass
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_scores(s, smem, start, j, group_row0):
         """Start ``S = Q Kⱼᵀ``: k-step ks reads 16 columns of panel ks // 4 of the Q and K tiles."""
         k_tile = start + 64 * (K_ROW0 + (j % STAGES) * K_ROWS)
@@ -211,7 +211,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             wgmma_ss(s, BLOCK_N, smem, a_offset, b_offset, 0, False, ks > 0)
         wgmma_commit()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_pv(acc, p_frag, smem, start, j):
         """Start ``O += P Vⱼ``: k-step kk multiplies P's A fragment kk by keys 16kk .. 16kk + 16 of the V tile."""
         v_tile = start + 64 * (V_ROW0 + (j % STAGES) * V_ROWS)
@@ -222,7 +222,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                      smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
         wgmma_commit()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t):
         """Write the warpgroup's output rows through its Q rows in shared memory (free once its last
         ``P V`` is complete), so that each global store is a whole 16-byte chunk of a row."""

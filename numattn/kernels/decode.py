@@ -88,7 +88,7 @@ MAX_SPLITS = 64  # key splits per row at most
 MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def last_to_finish(counters, counter_row, counter_col, tickets):
     """Whether the calling block is the last of the ``tickets`` blocks that share
     ``counters[counter_row, counter_col]`` to get here (call once, from every thread). The counter
@@ -111,7 +111,7 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
     return cuda.syncthreads_or(last) != 0
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def release_counter(counters, counter_row, counter_col):
     """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
     for the next launch (one thread). An atomic exchange, not a store: numba's dead-code elimination
@@ -122,7 +122,7 @@ def release_counter(counters, counter_row, counter_col):
         cuda.atomic.exch(counters, (counter_row, counter_col), 0)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _load_l2_f32_tuple(src, index):
     """``load_l2_f32`` as a 1-tuple, the shape of ``load_l2_f32x4``'s result."""
     return (load_l2_f32(src, index),)
@@ -155,13 +155,13 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
     narrow = NARROW[dtype]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def row_head(first_head, first_row, r):
         if ONE_HEAD:
             return first_head, first_row + r
         return first_head + (first_row + r) // SQ, (first_row + r) % SQ
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def merge_splits(o_part, lse_part, o, lse, b, head0, row0, rows_here):
         ub, first_head, first_row, n_rows = uint64(b), uint64(head0), uint64(row0), uint64(rows_here)
         tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
@@ -226,12 +226,12 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     narrow = NARROW[dtype]
     merge_splits = split_merger(dtype, head_dim_v, seqlen_q, write_lse)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def row_head(h_kv, row0, r):
         """``(query head, new token)`` of row ``r`` of the block's rows."""
         return h_kv * G + (row0 + r) // SQ, (row0 + r) % SQ
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0):
         warps = m_s.shape[0]
         n_rows = min(ROWS, G * SQ - row0)
@@ -306,7 +306,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     widen = WIDEN[dtype]
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
         """Start loading this lane's chunks ``sub + LANES·j`` (``j < per_lane``) of ``src[page, h, pos, :]``
         into ``words[u]``: four 32-bit words per 16-byte chunk, or one widened element."""
@@ -320,7 +320,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                 else:
                     words[u, j, 0] = widen(src[page, h, pos, c])
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def expand(words, u, sub, n_chunks, per_lane, out):
         """``words[u]`` as fp32 row entries, 0 past the row."""
         for j in range(per_lane):
@@ -337,7 +337,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
                 for e in range(CHUNK):
                     out[j * CHUNK + e] = _ZERO
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def merge(m, l_sum, m_other, l_other):
         """``(a, c, m_new)``: the weights that rescale two softmax states with maxima ``m`` and
         ``m_other`` to their joint maximum ``m_new`` (both 0 when neither state saw a key)."""
@@ -346,7 +346,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
             return _ZERO, _ZERO, m_new
         return ex2_approx(m - m_new), ex2_approx(m_other - m_new), m_new
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc):
         """Fold key ``t`` (this lane group's; ignored unless ``valid``) into every row's online softmax."""
         for r in range(ROWS):
@@ -562,12 +562,12 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def tile_first(start, warp, tile):
         """First key of a warp's ``tile``-th key tile: the warps take the split's 16-key tiles in turn."""
         return start + (warp + tile * WARPS) * MMA_KEYS
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def fetch_page_indices(indices, page_table, b, first, end, page_size, tile, lane):
         """Start copying the page-table entries of keys ``first .. first + 16`` (lane ``l < 16`` copies
         key ``first + l``'s) into row ``tile % INDEX_SLOTS`` of this warp's ``indices``."""
@@ -575,7 +575,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         if lane < MMA_KEYS and key < end:
             cp_async_4(indices, tile % INDEX_SLOTS, lane, page_table, (b, key // page_size))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy_rows(dst, src, ncols, swizzled, locations, b, h_kv, first, end, lane):
         """Start this warp's 16-byte copies of keys ``first .. first + 16`` of ``src`` into the tile
         ``dst`` (``swizzled`` or padded rows); keys past ``end`` read 0. A paged cache gives each key's
@@ -603,7 +603,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 page, pos = (locations[0, r], locations[1, r]) if PAGED else (b, first + r if valid else 0)
                 cp_async_16(dst, r, tile_col(swizzled, r, c), src, (page, h_kv, pos, c), 16 if valid else 0)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy_keys(smem, stage_off, k, v, locations, indices, tile, b, h_kv, first, end, lane):
         """Start this warp's copies of keys ``first .. first + 16`` into a stage (K tile, then V tile).
         With a paged cache lane ``l < 16`` turns the page index it copied into ``indices`` for key
@@ -621,7 +621,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         copy_rows(tile_view(smem, stage_off + MMA_KEYS * K_ROW, MMA_KEYS, V_ROW), v, DV, V_SWIZZLED, locations, b,
                   h_kv, first, end, lane)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_q_fragment(q_frag, slot, q_s, ks, mat, mrow):
         """The A fragment of k-step ``ks`` of the Q tile into ``q_frag[slot]``."""
         row = mrow + 8 * (mat % 2)
@@ -629,7 +629,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             q_s, row, tile_col(K_SWIZZLED, row, 16 * ks + 8 * (mat // 2))
         )
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def scale_and_mask(s, scale_log2, masked, n0, end, last_visible, row0, g, t):
         """Scores into the log2 domain; when ``masked``, keys at or past ``end`` and, with several new
         tokens, keys after ``last_visible + i`` for token ``i`` get -inf. (Two passes, so that the

@@ -30,10 +30,10 @@ def _unravel(i, shape):
     return i // shape[1], i % shape[1], i2, i3
 
 
-_unravel_gpu = cuda.jit(device=True, inline="always")(_unravel)
+_unravel_gpu = cuda.jit(device=True, forceinline=True)(_unravel)
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def _at(x, i0, i1, i2, i3):
     """``x`` at the broadcast position (extent-1 dims read index 0)."""
     return x[i0 if x.shape[0] > 1 else 0, i1 if x.shape[1] > 1 else 0,
@@ -137,7 +137,7 @@ def cpu_op(op, args, attrs, dim):
 @functools.lru_cache(maxsize=None)
 def unary_kernel(op):
     """``kernel(x, out, c)``: ``out = op(x)`` elementwise (``c`` the scalar of ``mul_scalar``)."""
-    f = cuda.jit(device=True, inline="always")(_UNARY[op])
+    f = cuda.jit(device=True, forceinline=True)(_UNARY[op])
 
     @cuda.jit
     def kernel(x, out, c):
@@ -152,7 +152,7 @@ def unary_kernel(op):
 @functools.lru_cache(maxsize=None)
 def binary_kernel(op):
     """``kernel(a, b, out)``: ``out = a op b`` with numpy broadcasting."""
-    f = cuda.jit(device=True, inline="always")(_BINARY[op])
+    f = cuda.jit(device=True, forceinline=True)(_BINARY[op])
 
     @cuda.jit
     def kernel(a, b, out):

@@ -243,7 +243,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     narrow = NARROW[dtype]
     init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype, softmax_headroom(dtype))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy_tile(smem, stage, ckv, kpe, page_table, b, first, end, tid):
         """Start the block's copies of latent rows ``first .. first + BLOCK_N`` into ring stage ``stage``
         (rows past ``end`` read 0): every thread looks up its rows' pages, then issues its copies."""

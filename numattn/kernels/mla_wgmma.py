@@ -183,7 +183,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                                                                 softmax_headroom(dtype))
     pack_p = p_fragments(PSTEPS, dtype)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def locate(page_table, b, key, end, slot, offset):
         """(page index as stored, position) of latent row ``key`` of sequence ``b``, entry ``slot`` of
         its page table at ``offset``; (0, 0) from ``end`` on. The index stays int32 and is clamped where
@@ -192,7 +192,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             return int32(0), 0
         return page_table[b, slot], offset
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def next_row(page_table, b, key, slot, offset, end, page_size, slot_step, offset_step):
         """``(key, slot, offset, page, position)`` of this thread's row of the next tile, ``BLOCK_N`` rows
         on: the page-table entry and the offset in its page advance by ``BLOCK_N``'s quotient and
@@ -207,7 +207,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         page, position = locate(page_table, b, key, end, slot, offset)
         return key, slot, offset, page, position
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_tile_async(view, bars, ckv, kpe, stage, page, position, valid, group, r, lane):
         """Start this thread's copies into ring ``stage`` of its row ``r`` of a latent tile, the panels its
         warpgroup copies (zeros unless ``valid``); the stage's FULL barrier counts them in.
@@ -234,13 +234,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                                        rope_row + ELEM * (64 * p + 8 * ROW_THREADS * k), nbytes)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def wait_phase(bars, barrier, parity):
         """Wait for the completion of an mbarrier phase of this parity (phases count from 0)."""
         while not mbarrier_try_wait(bars, barrier, parity):
             pass
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_scores(s, smem, start, stage):
         """Start ``S = Q Kᵀ`` on the tile in ring ``stage``: four k-steps per 64-column panel of the Q
         and latent tiles, their descriptors the tile's first plus constants (16-byte units)."""
@@ -254,7 +254,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                                   k_desc + 8 * BLOCK_N * panel + 2 * u, False, panel > 0 or u > 0)
         wgmma_commit()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_pv(acc, p_frag, smem, start, stage, group):
         """Start ``O[:, this warpgroup's columns] += P V`` on the tile in ring ``stage``, V the tile's
         ckv columns (panels), MN-major."""
@@ -266,7 +266,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                      smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
         wgmma_commit()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def issue_pv_shared(acc, smem, start, stage):
         """Warpgroup 1 of the shared schedule: ``O[:, its columns] += P V`` with P from the P tile."""
         v_tile = start + 64 * (Q_ROWS + stage * TILE_ROWS) + OWN_PANELS * V_PANEL
@@ -277,7 +277,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             wgmma_ss(acc, COLS, smem, p_tile + 16 * kk, v_tile + 64 * 16 * kk, V_PANEL, True, True)
         wgmma_commit()
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def share_p(view, stats, p_frag, alpha, rescaled, warp, g, t):
         """Warpgroup 0 of the shared schedule: P into the swizzled P tile (row-major, K-major A operand
         of warpgroup 1), the warp's rescale flag and, when set, its rows' factors."""
@@ -293,7 +293,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         if cuda.threadIdx.x % 32 == 0:
             stats[FLAGS + warp] = _ONE if rescaled else _ZERO
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def item_span(b, seqlens, capacity, split, splits):
         """``(first, end, n_tiles)``: the keys of sequence ``b`` a block takes, all of them (persistent)
         or key split ``split`` of ``splits``, and their tiles."""
@@ -304,13 +304,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         first, end = split * per_split, min(seqlen, (split + 1) * per_split)
         return first, end, max(0, -(-(end - first) // BLOCK_N))
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def next_item(b, c, items):
         """The item after (sequence ``b``, head chunk ``c``) among a persistent block's: ``items`` is
         ``(batch, grid size, ...)``; its sequences have one head chunk (``c`` stays 0)."""
         return b + items[1], c
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def with_keys(b, c, seqlens, items):
         """The first of a persistent block's items from (``b``, ``c``) on whose sequence has keys
         (``b`` at or past the batch if none)."""
@@ -319,13 +319,13 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             b, c = next_item(b, c, items)
         return b, c
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def next_with_keys(b, c, seqlens, items):
         """The first of a persistent block's items after (``b``, ``c``) whose sequence has keys."""
         b, c = next_item(b, c, items)
         return with_keys(b, c, seqlens, items)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def stream_at(b, c, page_table, seqlens, items):
         """A persistent thread's copy stream at the first tile of item (``b``, ``c``) or, when that has no
         keys, of the next one with keys: ``(b, c, end, tiles left, key, slot, offset, page, position)``
@@ -338,7 +338,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         page, position = locate(page_table, b, key, end, slot, offset)
         return b, c, end, n_tiles, key, slot, offset, page, position
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def stream_start(b, c, first, end, n_tiles, page_table, walk, my_row):
         """A thread's copy stream at the first of ``n_tiles`` tiles from key ``first`` of sequence ``b``,
         head chunk ``c``: ``(b, c, end, tiles left, key, slot, offset, page, position)``; ``key`` is the
@@ -349,7 +349,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         page, position = locate(page_table, b, key, end, slot, offset)
         return b, c, end, n_tiles, key, slot, offset, page, position
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group, my_row, my_lane):
         """Start this thread's copies of its stream's next tile into ring ``stage``; the stream moves on
         to its row of the tile after, in this item or (persistent) the next one with keys."""
@@ -361,7 +361,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         key, slot, offset, page, position = next_row(page_table, b, key, slot, offset, end, walk[0], walk[1], walk[2])
         return b, c, end, left - 1 if PERSISTENT else left, key, slot, offset, page, position
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def stream_more(stream, issued):
         """Whether the copy stream has a tile left: a persistent stream counts its tiles down; otherwise
         ``issued`` of the item's ``stream[3]`` tiles have been started."""
@@ -369,7 +369,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
             return stream[3] > 0
         return issued < stream[3]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def load_q_async(view, bars, q_nope, q_pe, b, head0, heads, half):
         """Start the copies of the Q tile, ``[q_nope | q_pe]`` of heads ``head0 ..`` (zeros past the last
         head) by ``Q_LOADERS`` threads, eight to a row, each taking the same 16-byte chunk of every panel;
@@ -396,7 +396,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                                        pe_row + ELEM * 64 * p, nbytes)
         cp_async_mbarrier_arrive(bars, Q_FULL + half)
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
                      n_tiles, stream, state, regs, me):
         """One item of a block: sequence ``b``'s keys ``first .. end`` (``n_tiles`` tiles) against head chunk

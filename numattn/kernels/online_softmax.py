@@ -28,7 +28,7 @@ RESCALE = np.float32(8.0)  # log2 headroom before the softmax reference max must
 EAGER = np.float32(0.0)  # no headroom: the reference max is the running max
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def quad_sum(x):
     """The sum of ``x`` over the four lanes of an mma lane group (lanes 4g .. 4g + 3): a row's total
     when each lane holds a partial sum of its columns."""
@@ -49,7 +49,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
     CHAINS = min(4, ntiles)  # partial maxima and sums per row
     narrow = NARROW[dtype]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def init(m_i, l_i, acc):
         """No key seen yet: m = -inf, l = 0, acc = 0."""
         for r in range(2 * WARP_M):
@@ -60,7 +60,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                 for e in range(4):
                     acc[mt, dt, e] = _ZERO
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t):
         """Scores into the log2 domain; when ``masked``, keys past the end or the causal diagonal get -inf.
 
@@ -82,7 +82,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                     for e in range(4):
                         s[mt, nt, e] *= scale_log2
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def update(s, m_i, l_i, row_max, alpha):
         """Fold a key tile's scores into the running softmax; ``s`` becomes P (unnormalised).
 
@@ -135,7 +135,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                     l_i[r] += partial[c]
         return rescale
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def rescale(acc, alpha):
         """Scale each row of the output accumulator by its ``alpha``."""
         for mt in range(WARP_M):
@@ -143,7 +143,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                 for e in range(4):
                     acc[mt, dt, e] *= alpha[2 * mt + e // 2]
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def normalize(acc, m_i, l_i, lse, write_lse, b, h, row0, seqlen_q, g, t):
         """Full row sums across the four lanes of a group, then ``acc /= l`` (and the LSE for rows below ``seqlen_q``).
 
@@ -162,7 +162,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                 if write_lse and t == 0 and row < seqlen_q:
                     lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum != _ZERO else _NEG_INF
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def store(o, acc, b, h, row0, seqlen_q, g, t):
         """The normalized accumulator into ``o``, rows below ``seqlen_q``."""
         for mt in range(WARP_M):
@@ -185,7 +185,7 @@ def partial_store(warp_m, dtiles):
     NaN where it saw a NaN score, as in ``normalize``)."""
     WARP_M, DTILES = warp_m, dtiles
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t):
         for mt in range(WARP_M):
             for half in range(2):
@@ -212,7 +212,7 @@ def p_fragments(psteps, dtype):
     PSTEPS = psteps
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def pack_p(p_frag, s):
         for kk in range(PSTEPS):
             n = 2 * kk

@@ -80,7 +80,7 @@ def _tile_view_gpu(buf, offset, rows, cols):
     return impl
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def row_major_cell(tile_row0, rows, r, c):
     """``(row, col)`` of element ``(r, c)`` of a row-major tile that starts at row ``tile_row0`` of a view."""
     return tile_row0 + r, c
@@ -99,7 +99,7 @@ def tile_copier(num_threads, place):
     """
     NUM_THREADS = num_threads
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, forceinline=True)
     def copy(view, tile_row0, rows, src, b, h, row0, nrows, ncols):
         chunks = ncols // 8
         if NUM_THREADS % chunks == 0:
@@ -122,7 +122,7 @@ def tile_copier(num_threads, place):
     return copy
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def sw128_cell(tile_row0, rows, r, c):
     """``(row, col)`` of element ``(r, c)`` (``c`` a multiple of 8) of a swizzled tile in a 64-column view.
 
@@ -153,7 +153,7 @@ def tile_row_elems(cols):
     return cols if swizzled_rows(cols) else cols + PAD
 
 
-@cuda.jit(device=True, inline="always")
+@cuda.jit(device=True, forceinline=True)
 def tile_col(swizzled, r, c):
     """Shared-memory column of element ``c`` (a multiple of 8) of row ``r`` of a tile (see ``swizzled_rows``)."""
     return ((c // 8) ^ (r % 8)) * 8 if swizzled else c

@@ -8,6 +8,8 @@ everything else on CUDA cores (``kernels/attention_backward.py``). All start
 from the ``rows`` kernel's delta and log2-domain log-sum-exp.
 """
 
+import functools
+
 import numba
 import numpy as np
 from numba import types
@@ -61,12 +63,20 @@ def _launch(kernel, label, grid, threads, shared_bytes, arrays, scalars, stream)
         views = [host_storage(x, describe(x, "array")) for x in arrays]
         compiled(kernel, None, 0, shared_bytes, label).launch_arrays(grid, threads, *views, *scalars)
         return
-    dtypes = [storage_dtype(str(x.dtype).removeprefix("torch.")) for x in arrays]
-    argtypes = tuple(types.Array(numba.from_dtype(d), x.dim(), "A") for x, d in zip(arrays, dtypes))
-    argtypes += (types.float32,) * len(scalars)
-    launcher = compiled(kernel, argtypes, arrays[0].device.index, shared_bytes, label)
-    fields, slots = array_fields([(tuple(x.shape), tuple(x.stride()), d.itemsize) for x, d in zip(arrays, dtypes)])
-    launcher.prepare(grid, threads, fields + list(scalars), slots)(stream, *(x.data_ptr() for x in arrays))
+    layout = tuple((str(x.dtype), tuple(x.shape), x.stride()) for x in arrays)
+    launch = _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
+    launch(stream, *(x.data_ptr() for x in arrays))
+
+
+@functools.lru_cache(maxsize=256)
+def _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, device):
+    """The prepared launch of ``kernel`` on arrays of ``layout`` (torch dtype, shape, strides of each) and
+    ``scalars``, built once per training shape rather than on every backward call."""
+    dtypes = [storage_dtype(name.removeprefix("torch.")) for name, _, _ in layout]
+    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, (_, shape, _) in zip(dtypes, layout))
+    launcher = compiled(kernel, argtypes + (types.float32,) * len(scalars), device, shared_bytes, label)
+    fields, slots = array_fields([(shape, strides, d.itemsize) for d, (_, shape, strides) in zip(dtypes, layout)])
+    return launcher.prepare(grid, threads, fields + list(scalars), slots)
 
 
 def attention_backward(q, k, v, o, lse, do, *, causal, scale):
