@@ -6,6 +6,7 @@ from ._cuda import SIMULATOR, simulate
 from .ops.attention import attention
 from .ops.decode import DecodePlan, csr_page_table, decode, decode_plan, merge_states, paged_decode, paged_decode_plan
 from .ops.mla import mla_decode
+from .precompile import Workload, precompile
 from .search import bfloat16, float16, float32, new_kernel_graph, superoptimize
 from .search.functional import tune
 
@@ -13,7 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "attention", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "simulate", "__version__",
-    "new_kernel_graph", "superoptimize", "float16", "bfloat16", "float32", "tune",
+    "new_kernel_graph", "superoptimize", "float16", "bfloat16", "float32", "tune", "precompile", "Workload",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m numattn demo | bench | info | cache``."""
+"""Command line: ``python -m numattn demo | bench | info | cache | precompile``."""
 
 import argparse
 import contextlib
@@ -9,6 +9,8 @@ import numpy as np
 
 import numattn
 from numattn import reference
+from numattn.precompile import PRESETS
+from numattn.precompile import main as precompile_main
 
 
 def demo(args):
@@ -113,6 +115,13 @@ def main(argv=None):
     p_cache = sub.add_parser("cache", help="the compiled kernels kept on disk: where, which, how large; or remove them")
     p_cache.add_argument("action", choices=("info", "clear"), help="info: list the entries; clear: remove them all")
     p_cache.set_defaults(func=cache)
+    p_pre = sub.add_parser("precompile", help="compile the kernels of common models or given calls into the kernel "
+                           "cache, in parallel processes")
+    p_pre.add_argument("--preset", action="append", choices=sorted(PRESETS), help="a model's calls (repeatable)")
+    p_pre.add_argument("--workload", action="append", metavar="JSON", help="one call, as numattn.Workload's fields, "
+                       'e.g. \'{"op": "attention", "heads_q": 32, "heads_kv": 8, "head_dim": 128}\' (repeatable)')
+    p_pre.add_argument("--processes", type=int, help="worker processes (default: one per call, at most 4)")
+    p_pre.set_defaults(func=precompile_main)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -1,7 +1,8 @@
 """asv benchmarks of a process's first calls. ``track_first_call_s``: the first ``numattn.attention``
 in a fresh process with the kernel cache filled and with it off (GPU only; skipped without one).
 ``time_cache_hit``: the host's share of loading one kernel from the cache (its key over the kernel's
-closures and one entry read back and checked), on any machine."""
+closures and one entry read back and checked), on any machine. ``track_precompile_s``: filling an
+empty cache ahead of time."""
 
 import os
 import shutil
@@ -56,3 +57,34 @@ class FirstCall:
             "first_call_s"]
 
     track_first_call_s.unit = "s"
+
+
+class Precompile:
+    """``numattn.precompile`` into an empty kernel cache: Llama-3 8B's calls on a GPU, a small attention
+    and decode on the CPU path without one."""
+
+    timeout = 900
+    number, repeat = 1, 1
+
+    def setup(self):
+        self.directory = tempfile.mkdtemp()
+        os.environ["NUMATTN_KERNEL_CACHE"] = self.directory
+
+    def teardown(self):
+        os.environ.pop("NUMATTN_KERNEL_CACHE", None)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def track_precompile_s(self):
+        import time
+
+        if numattn.SIMULATOR:
+            workloads = [numattn.Workload(op, 4, 2, 64, dtype="float16", seqlen=256) for op in ("attention", "decode")]
+        else:
+            workloads = ["llama3-8b"]
+        start = time.perf_counter()
+        report = numattn.precompile(*workloads)
+        if any(row["error"] for row in report):
+            raise RuntimeError(report)
+        return time.perf_counter() - start
+
+    track_precompile_s.unit = "s"

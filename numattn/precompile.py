@@ -1,0 +1,226 @@
+"""Compile ahead of time the kernels a workload needs, in parallel worker processes, into the kernel
+cache (``kernels/kernel_cache.py``), so that a server, a CI job or a container build pays the compiles
+once and every later process starts warm.
+
+A workload is a call: an op and its shapes. Each runs once on random inputs in a worker process; what it
+compiles is stored in the cache, where a later call of the same specialisation finds it. Without a GPU
+the call runs on the CPU path, whose compiled functions numba keeps in its own cache.
+"""
+
+import concurrent.futures
+import multiprocessing
+import time
+from dataclasses import asdict, dataclass
+
+DTYPES = ("float16", "bfloat16", "float32")
+OPS = ("attention", "decode", "paged_decode", "mla_decode", "train")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One call to compile for.
+
+    ``op``: ``"attention"`` (q ``[batch, heads_q, seqlen, head_dim]``, k and v with ``heads_kv``),
+    ``"decode"`` and ``"paged_decode"`` (one new token per sequence over a cache of ``seqlen`` keys,
+    pages of ``page_size`` rows), ``"mla_decode"`` (``heads_q`` heads, latent rank ``head_dim``, rope
+    ``rope_dim``, pages of ``page_size``), ``"train"`` (``numattn.torch.attention`` forward and backward).
+    """
+
+    op: str
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    causal: bool = True
+    batch: int = 2
+    seqlen: int = 1024
+    page_size: int = 16
+    rope_dim: int = 64
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, got {self.op!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(map(repr, DTYPES))}, got {self.dtype!r}")
+        for name in ("heads_q", "heads_kv", "head_dim", "batch", "seqlen", "page_size", "rope_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "rope_dim" else 1):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.heads_q % self.heads_kv:
+            raise ValueError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})")
+
+    def describe(self):
+        shape = (f"rank {self.head_dim}, rope {self.rope_dim}, {self.heads_q} heads" if self.op == "mla_decode" else
+                 f"heads {self.heads_q}/{self.heads_kv}, head_dim {self.head_dim}")
+        return f"{self.op} {self.dtype} {shape}" + (", causal" if self.causal and self.op in ("attention", "train")
+                                                     else "")
+
+
+def _model(heads_q, heads_kv, head_dim):
+    """A dense model's calls: causal prefill, decode over a contiguous and a paged cache, training."""
+    return tuple(Workload(op, heads_q, heads_kv, head_dim) for op in ("attention", "decode", "paged_decode", "train"))
+
+
+PRESETS = {
+    "llama3-8b": _model(32, 8, 128),
+    "llama3-70b": _model(64, 8, 128),
+    "qwen2.5-7b": _model(28, 4, 128),
+    "qwen2.5-72b": _model(64, 8, 128),
+    "deepseek-v3-mla": (Workload("mla_decode", 16, 1, 512, page_size=64), Workload("mla_decode", 128, 1, 512,
+                                                                                   page_size=64)),
+}
+"""Named workloads of common models (bf16): their attention's head counts and head dims, one call of each
+op. The MLA preset takes DeepSeek-V3's latent cache with 16 heads per GPU (8-way tensor parallel) and 128."""
+
+
+def precompile(*workloads, processes=None):
+    """Compile the kernels of ``workloads`` into the kernel cache, in parallel worker processes.
+
+    Parameters
+    ----------
+    *workloads : ``Workload`` or the name of a preset (``PRESETS``: ``"llama3-8b"``, ``"llama3-70b"``,
+        ``"qwen2.5-7b"``, ``"qwen2.5-72b"``, ``"deepseek-v3-mla"``).
+    processes : int, optional
+        Worker processes (default: the number of workloads, at most 4). Workers that need the same
+        kernel wait for the first to compile it.
+
+    Returns
+    -------
+    list of dict
+        Per workload, in order: ``workload`` (its description), ``seconds`` (the call in its worker,
+        compiles included), ``error`` (None, or the exception's text).
+
+    Examples
+    --------
+    >>> import numattn
+    >>> report = numattn.precompile(numattn.Workload("attention", 4, 2, 64, dtype="float32", seqlen=64),
+    ...                             processes=1)
+    >>> [row["error"] for row in report]
+    [None]
+    """
+    expanded = []
+    for workload in workloads:
+        if isinstance(workload, str):
+            if workload not in PRESETS:
+                raise ValueError(f"unknown preset {workload!r}; presets: {', '.join(PRESETS)}")
+            expanded.extend(PRESETS[workload])
+        elif isinstance(workload, Workload):
+            expanded.append(workload)
+        else:
+            raise TypeError(f"workloads must be Workload objects or preset names, got {type(workload).__name__}")
+    if processes is None:
+        processes = min(4, len(expanded))
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive int, got {processes!r}")
+    if not expanded:
+        return []
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA context
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        return list(pool.map(_run, [asdict(w) for w in expanded]))
+
+
+def _run(fields):
+    """One workload in a worker process: its call on random inputs, timed; errors reported, not raised."""
+    workload = Workload(**fields)
+    start = time.perf_counter()
+    try:
+        _call(workload)
+        error = None
+    except Exception as exc:  # noqa: BLE001  (reported per workload; the others go on)
+        error = f"{type(exc).__name__}: {exc}"
+    return {"workload": workload.describe(), "seconds": time.perf_counter() - start, "error": error}
+
+
+def _call(w):
+    import numpy as np
+
+    import numattn
+
+    torch = _torch_on_gpu()
+    rng = np.random.default_rng(0)
+
+    def array(*shape, dtype=w.dtype):
+        values = rng.standard_normal(shape, dtype=np.float32)
+        if torch is None:
+            return values.astype(dtype) if dtype != "bfloat16" else _bfloat16(values)
+        return torch.from_numpy(values).to("cuda", getattr(torch, dtype))
+
+    def ints(values):
+        values = np.asarray(values, np.int32)
+        return values if torch is None else torch.from_numpy(values).cuda()
+
+    b, hq, hkv, d, length = w.batch, w.heads_q, w.heads_kv, w.head_dim, w.seqlen
+    if w.op == "attention":
+        numattn.attention(array(b, hq, length, d), array(b, hkv, length, d), array(b, hkv, length, d), causal=w.causal)
+    elif w.op == "decode":
+        numattn.decode(array(b, hq, d), array(b, hkv, length, d), array(b, hkv, length, d),
+                       seqlens=ints(np.full(b, length)))
+    elif w.op == "paged_decode":
+        pages = -(-length // w.page_size)
+        table = ints(np.arange(b * pages).reshape(b, pages))
+        numattn.paged_decode(array(b, hq, d), array(b * pages, w.page_size, hkv, d),
+                             array(b * pages, w.page_size, hkv, d), table, ints(np.full(b, length)))
+    elif w.op == "mla_decode":
+        pages = -(-length // w.page_size)
+        numattn.mla_decode(array(b, hq, d), array(b, hq, w.rope_dim), array(b * pages, w.page_size, d),
+                           array(b * pages, w.page_size, w.rope_dim), ints(np.arange(b * pages).reshape(b, pages)),
+                           ints(np.full(b, length)), scale=1.0 / np.sqrt(d + w.rope_dim))
+    else:  # train
+        import torch as torch_module
+
+        import numattn.torch
+
+        device = "cuda" if torch is not None else "cpu"
+        q, k, v = (torch_module.randn(b, h, length, d, device=device, dtype=getattr(torch_module, w.dtype),
+                                      requires_grad=True) for h in (hq, hkv, hkv))
+        numattn.torch.attention(q, k, v, causal=w.causal).sum().backward()
+    if torch is not None:
+        torch.cuda.synchronize()
+
+
+def _torch_on_gpu():
+    """torch, when it is installed and sees a GPU (the workloads then run on torch CUDA tensors); else None."""
+    from ._cuda import SIMULATOR
+
+    if SIMULATOR:
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _bfloat16(values):
+    """bfloat16 values of a float32 numpy array as a torch CPU tensor (numpy has no bfloat16)."""
+    import torch
+
+    return torch.from_numpy(values).to(torch.bfloat16)
+
+
+def main(args):
+    """``python -m numattn precompile``: the presets and workloads named, then a line per workload."""
+    import json
+
+    workloads = list(args.preset or [])
+    for text in args.workload or []:
+        try:
+            workloads.append(Workload(**json.loads(text)))
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--workload {text!r}: {exc}") from exc
+    if not workloads:
+        raise SystemExit("nothing to compile: name --preset (" + ", ".join(PRESETS) + ") or --workload JSON")
+    from .kernels import kernel_cache
+
+    start = time.perf_counter()
+    report = precompile(*workloads, processes=args.processes)
+    for row in report:
+        status = "ok" if row["error"] is None else f"FAILED: {row['error']}"
+        print(f"{row['workload']:62} {row['seconds']:7.1f} s  {status}")
+    from ._cuda import SIMULATOR
+
+    where = kernel_cache.cache_directory()
+    kept = ("no GPU: the CPU path's compiled functions are kept in numba's cache" if SIMULATOR else
+            f"kernel cache: {where}" if where is not None else "the kernel cache is off: nothing kept")
+    print(f"{len(report)} workloads in {time.perf_counter() - start:.1f} s; {kept}")
+    return 1 if any(row["error"] is not None for row in report) else 0
