@@ -45,6 +45,30 @@ def test_keys_follow_the_specialisation():
     assert key(*base, cc=(8, 0)) != key(*base)
 
 
+def test_a_kernel_without_a_stable_description_is_not_cached(cache_dir):
+    """A closure value whose only description is an address (here a bare ``object()``) gives no key: a
+    warning, and the kernel is built in every process rather than risk another kernel's entry."""
+    import numpy as np
+
+    def factory(value):
+        def kernel():
+            return value
+
+        return kernel
+
+    with pytest.warns(kernel_cache.KernelCacheWarning, match="does not cache kernel"):
+        key = kernel_cache.kernel_key(factory(object()), (), (9, 0))
+    assert key is None
+    builds = []
+    for _ in range(2):
+        kernel_cache.cached_kernel(key, lambda: builds.append(1) or entry())
+    assert len(builds) == 2 and not cache_dir.exists()
+    # arrays are described by their contents, not by their (elided) repr
+    first, second = np.zeros(5000), np.zeros(5000)
+    second[2500] = 1
+    assert kernel_cache.kernel_key(factory(first), (), (9, 0)) != kernel_cache.kernel_key(factory(second), (), (9, 0))
+
+
 def test_source_digest_changes_with_any_kernel_source(tmp_path):
     package = tmp_path / "pkg" / "kernels"
     package.mkdir(parents=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import numattn as mi
-from numattn.search import cache
+from numattn.tuning import cache
 from numattn.search.interpret import evaluate
 from numattn.search.match import find_attention
 from numattn.search.pipeline import random_inputs
@@ -210,7 +210,7 @@ def test_key_split_attention_plans_match_reference(rng, causal, transposed):
 
 def test_tune_stores_a_configuration_that_attention_then_uses(tmp_path, monkeypatch, rng):
     from numattn.ops import attention as attention_module
-    from numattn.search.functional import problem_key
+    from numattn.tuning.store import problem_key
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q = rng.uniform(-1, 1, (1, 2, 24, 32)).astype(np.float16)
@@ -278,7 +278,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
     later calls plan with, and their results stay correct."""
     from numattn.ops import decode as decode_module
     from numattn.ops import mla as mla_module
-    from numattn.search.functional import tuned_config
+    from numattn.tuning.store import tuned_config
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q = rng.uniform(-1, 1, (1, 4, 1, 16)).astype(np.float16)
@@ -288,7 +288,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
     assert {row["splits"] for row in table} == {1, 2, 4}  # 128 keys: runs of at least 32 and all(row["verified"] for row in table)
     problem = decode_module._validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
     fastest = min(table, key=lambda row: row["seconds"])
-    assert tuned_config("decode", problem) == (None, fastest["splits"])
+    assert tuned_config("decode", problem, decode_module.tuning_options) == (None, fastest["splits"])
     np.testing.assert_allclose(mi.decode(q, k, v, scale=0.3).astype(np.float64),
                                mi.reference.attention(q, k, v, scale=0.3), atol=2e-3)
 
@@ -301,7 +301,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
     assert any(row["verified"] for row in table)
     problem = mla_module._validate(*args, 0.2, False)
     fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
-    config, splits = tuned_config("mla_decode", problem)
+    config, splits = tuned_config("mla_decode", problem, mla_module.tuning_options)
     assert (repr(config), splits) == (fastest["config"], fastest["splits"])
     np.testing.assert_allclose(mi.mla_decode(*args, scale=0.2).astype(np.float64),
                                mi.reference.mla_decode(*args, scale=0.2), atol=2e-3)
@@ -337,7 +337,7 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     from numattn.kernels import mla as mla_kernels
     from numattn.ops import decode as decode_module
     from numattn.ops import mla as mla_module
-    from numattn.search.functional import tuned_config
+    from numattn.tuning.store import tuned_config
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q = torch.rand(2, 8, 128, device="cuda", dtype=torch.float16) - 0.5
@@ -346,7 +346,7 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     assert len(table) >= 3 and all(row["verified"] and row["seconds"] > 0 for row in table)
     fastest = min(table, key=lambda row: row["seconds"])
     problem = decode_module._validate_decode_args(q, k, v, None, None, None, "bhsd", False)
-    assert tuned_config("decode", problem) == (None, fastest["splits"])
+    assert tuned_config("decode", problem, decode_module.tuning_options) == (None, fastest["splits"])
     decode_module._PLANS.clear()
     o = mi.decode(q, k, v)
     assert [plan.splits for plan in decode_module._PLANS.values()] == [fastest["splits"]]
@@ -364,7 +364,7 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     verified = [row for row in table if row["verified"]]
     assert len(verified) >= 2 and all(row["seconds"] > 0 for row in verified)
     fastest = min(verified, key=lambda row: row["seconds"])
-    config, splits = tuned_config("mla_decode", mla_module._validate(*args, 0.1, False))
+    config, splits = tuned_config("mla_decode", mla_module._validate(*args, 0.1, False), mla_module.tuning_options)
     assert (repr(config), splits) == (fastest["config"], fastest["splits"])
     mla_module._PLANS.clear()
     o = mi.mla_decode(*args, scale=0.1)

@@ -11,8 +11,8 @@ import pytest
 
 import numattn as mi
 from numattn.kernels.launch import device_limits
-from numattn.search import cache
-from numattn.search.functional import problem_key, tuned_config
+from numattn.tuning import cache
+from numattn.tuning.store import problem_key, tuned_config
 from numattn.search.plans import Plan
 
 from test_search import tutorial_graph
@@ -87,7 +87,7 @@ def test_tune_warns_and_returns_when_the_cache_file_cannot_be_replaced(tmp_path,
 # -- concurrent writers, file mode --------------------------------------------------------------------
 _WRITER = """
 import os, sys, time
-from numattn.search import cache
+from numattn.tuning import cache
 from numattn.search.plans import Plan
 
 path, directory, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -207,7 +207,7 @@ def test_decode_falls_back_to_its_heuristic_past_an_invalid_entry(tmp_path, monk
 
 def test_mla_decode_falls_back_to_its_default_past_a_configuration_that_does_not_fit(tmp_path, monkeypatch, rng,
                                                                                    fresh_plans):
-    from numattn.ops.mla import _validate
+    from numattn.ops.mla import _validate, tuning_options
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q_nope, q_pe, ckv, kpe = (rng.uniform(-1, 1, shape).astype(np.float16)
@@ -218,6 +218,6 @@ def test_mla_decode_falls_back_to_its_default_past_a_configuration_that_does_not
                                                    "wgmma": False, "persistent": False}}  # 64 columns: not in 3 warps
     write_entry(tmp_path / cache.FILE_NAME, problem_key("mla_decode", problem), three_warps)
     with pytest.warns(cache.CacheWarning, match="not one that numattn.tune tries"):
-        assert tuned_config("mla_decode", problem) is None
+        assert tuned_config("mla_decode", problem, tuning_options) is None
     o = mi.mla_decode(*args, scale=0.2)
     np.testing.assert_allclose(o.astype(np.float64), mi.reference.mla_decode(*args, scale=0.2), atol=2e-3)

@@ -96,6 +96,8 @@ def _describe(value, seen):
         return f"function {name} {_code_digest(value.__code__)} [{', '.join(cells)}]"
     if isinstance(value, (tuple, list)):
         return f"{type(value).__name__}({', '.join(_describe(v, seen) for v in value)})"
+    if isinstance(value, np.ndarray):  # its repr may elide elements
+        return f"ndarray({value.dtype.str}, {value.shape}, {hashlib.sha256(value.tobytes()).hexdigest()[:16]})"
     if dataclasses.is_dataclass(value) or isinstance(value, (int, float, bool, str, bytes, type(None), np.generic, np.dtype)):
         return repr(value)
     definition = getattr(value, "_defn", None)  # a numba intrinsic: its typing-and-lowering function
@@ -106,9 +108,12 @@ def _describe(value, seen):
         return text
     name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
     if name is None:
-        raise TypeError(f"cannot describe a kernel's compile-time input of type {type(value).__qualname__} for its "
-                        "cache key")
+        raise _Undescribable(type(value).__qualname__)
     return f"{type(value).__qualname__} {getattr(value, '__module__', '')}.{name}"
+
+
+class _Undescribable(Exception):
+    """A kernel closes over a value that has no stable description (a key would not identify the kernel)."""
 
 
 def _filled(cell):
@@ -129,10 +134,16 @@ def _code_digest(code):
 
 
 def kernel_key(dispatcher, argtypes, cc):
-    """The cache key of ``dispatcher`` compiled for ``argtypes`` on compute capability ``cc``."""
-    text = json.dumps([
-        source_digest(), toolchain(), _describe(dispatcher, set()), [str(t) for t in argtypes], list(cc)
-    ])
+    """The cache key of ``dispatcher`` compiled for ``argtypes`` on compute capability ``cc``; None, with a
+    warning, for a kernel that closes over a value without a stable description (it is then compiled in
+    every process rather than risk loading another kernel's code)."""
+    try:
+        described = _describe(dispatcher, set())
+    except _Undescribable as exc:
+        warnings.warn(f"numattn does not cache kernel {getattr(dispatcher, '__name__', dispatcher)}: it closes over "
+                      f"a {exc} value", KernelCacheWarning, stacklevel=2)
+        return None
+    text = json.dumps([source_digest(), toolchain(), described, [str(t) for t in argtypes], list(cc)])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -147,9 +158,9 @@ class Entry:
 
 def cached_kernel(key, build):
     """The ``Entry`` stored under ``key``, or ``build()``'s, stored for later processes. Processes asking
-    for one key at once wait for the first to build it."""
+    for one key at once wait for the first to build it. A None key builds without the cache."""
     directory = cache_directory()
-    if directory is None:
+    if directory is None or key is None:
         return build()
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,8 @@ from ..kernels.attention_wgmma import (
 )
 from ..kernels.decode import MAX_SPLITS
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..tuning.models import KEY_SPLITS, attention_seconds
+from ..tuning.store import tuned_config
 from .workspace import SplitWorkspaces, WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -577,9 +579,6 @@ def _misfit(p, config, limits):
     return None
 
 
-KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the mma.sync kernel
-
-
 def split_options(problem, config):
     """Key splits worth trying with ``config``: 1, and for the mma.sync kernel 2 to 16 while each run
     keeps at least two key tiles."""
@@ -674,11 +673,19 @@ def _records_grad(q, k, v):
     return needs and sys.modules["torch"].is_grad_enabled()
 
 
+def tuning_options(p):
+    """``[(config, splits, modelled seconds)]`` of problem ``p``: the tile configurations and key splits
+    that ``numattn.tune`` tries."""
+    dims = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim), (p.batch, p.heads_kv, p.head_dim, p.seqlen_kv),
+            (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, p.head_dim_v))
+    itemsize = 4 if p.dtype == "float32" else 2
+    return [(config, n, attention_seconds(*dims, itemsize, config, n))
+            for config in tile_candidates(p) for n in split_options(p, config)]
+
+
 def _tuned_or_default_plan(problem):
     """The plan with the configuration ``numattn.tune`` stored for this problem, else the heuristic's."""
-    from ..search.functional import tuned_config
-
-    tuned = tuned_config("attention", problem)
+    tuned = tuned_config("attention", problem, tuning_options)
     if tuned is not None:
         try:
             return _make_plan(problem, *tuned)

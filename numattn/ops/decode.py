@@ -47,6 +47,8 @@ from ..kernels.decode import (
     merge_kernel,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..tuning.models import split_candidates
+from ..tuning.store import tuned_config
 from .attention import LOG2E, choice, out_operand, softmax_scale
 from .checks import DeviceIndexCheck, check_lengths_and_pages, host_values
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
@@ -598,11 +600,17 @@ class _HostPlan(_Plan):
         return wrap_host(result.copy_to_host(), q, p.dtype)
 
 
+def tuning_options(p):
+    """``[(None, splits, modelled seconds)]`` of decode problem ``p``: the key splits ``numattn.tune`` tries."""
+    itemsize = 4 if p.dtype == "float32" else 2
+    row_bytes = itemsize * (p.head_dim + p.head_dim_v)
+    return split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
+                            itemsize * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v))
+
+
 def _tuned_splits(problem):
     """The key splits ``numattn.tune`` stored for this problem, or None (the heuristic's)."""
-    from ..search.functional import tuned_config
-
-    tuned = tuned_config("decode", problem)
+    tuned = tuned_config("decode", problem, tuning_options)
     return None if tuned is None else tuned[1]
 
 

@@ -5,6 +5,7 @@ same latent rows: ``score = q_nope · ckv + q_pe · kpe``, ``o = softmax(scale �
 ``kernels/mla.py`` computes it with key splits merged by the decode combine kernel.
 """
 
+import dataclasses
 from dataclasses import dataclass, replace
 
 import numba
@@ -26,8 +27,17 @@ from .._cuda import SIMULATOR, simulating
 from ..kernels import cpu
 from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
-from ..kernels.mla import HEAD_ROWS, mla_config_error, mla_decode_kernel, mla_default_config, mla_shared_bytes
+from ..kernels.mla import (
+    HEAD_ROWS,
+    mla_candidates,
+    mla_config_error,
+    mla_decode_kernel,
+    mla_default_config,
+    mla_shared_bytes,
+)
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
+from ..tuning.models import split_candidates
+from ..tuning.store import tuned_config
 from .attention import LOG2E, softmax_scale
 from .checks import DeviceIndexCheck, check_lengths_and_pages
 from .decode import (
@@ -368,11 +378,32 @@ def planned(p, config=None, splits=None):
     return _HostPlan(p, config, splits) if p.device is None or SIMULATOR else _TorchPlan(p, config, splits)
 
 
+def tuning_options(p):
+    """``[(config, splits, modelled seconds)]`` of (float16 or bfloat16) MLA decode problem ``p``: the
+    configurations and key splits ``numattn.tune`` tries (in the simulator the ones that simulate in
+    seconds)."""
+    limits = device_limits(0 if p.device is None else p.device)
+    row_bytes = 2 * (p.rank + p.rope)
+    configs = mla_candidates(p.rank, p.rope, limits["cc"])
+    if SIMULATOR:
+        configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
+    # also the default's persistent grid where it has one, unsplit (split, or with more than
+    # PERSISTENT_HEADS heads, it runs the ordinary kernel)
+    persistent = dataclasses.replace(mla_default_config(p.rank, p.rope, limits["cc"]), persistent=True)
+    if p.heads <= PERSISTENT_HEADS and mla_config_error(persistent, p.rank, p.rope, limits["cc"]) is None:
+        configs = [*configs, persistent]
+    candidates = []
+    for config in configs:
+        work = p.batch * -(-p.heads // config.heads_per_block)
+        for _, splits, seconds in split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
+            if splits == 1 or not config.persistent:
+                candidates.append((config, splits, seconds))
+    return candidates
+
+
 def _tuned(p):
     """``(config, splits)`` that ``numattn.tune`` stored for this problem, or None."""
-    from ..search.functional import tuned_config
-
-    return tuned_config("mla_decode", p)
+    return tuned_config("mla_decode", p, tuning_options)
 
 
 def _capturing_torch():

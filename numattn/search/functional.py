@@ -1,77 +1,27 @@
 """Tuning the functional API.
 
 ``numattn.tune`` searches the kernel configurations and key splits of one call of
-``numattn.attention``, ``decode``, ``paged_decode`` or ``mla_decode``, checks each
-candidate's output against the heuristic's, and stores the fastest in the tuning
-cache; those functions consult the cache (``tuned_config``) when they plan a call
-they have not seen, and fall back to their heuristic without an entry (or, with a
-warning, past an entry that ``tune`` would not have stored).
+``numattn.attention``, ``decode``, ``paged_decode`` or ``mla_decode`` (each op's
+``tuning_options``), checks each candidate's output against the heuristic's, and
+stores the fastest in the tuning cache, where those functions find it
+(``numattn.tuning.store``).
 """
 
 import contextlib
-import dataclasses
-import hashlib
 import inspect
-import os
-import warnings
 
 import numpy as np
 
 from .._cuda import SIMULATOR, simulate
-from ..kernels.launch import device_limits
-from . import cache
+from ..ops import attention as attention_op
+from ..ops import decode as decode_op
+from ..ops import mla as mla_op
+from ..tuning import cache
+from ..tuning.store import problem_key
 from .plans import Plan
-from .tune import SearchLog, split_candidates
+from .tune import SearchLog
 
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
-
-
-def problem_key(kind, problem):
-    """Cache key of one problem of function ``kind``: what picks and constrains its kernels, the device
-    and the numattn version."""
-    from .. import __version__
-
-    p = problem
-    device = device_limits(0 if p.device is None else p.device)
-    if kind == "attention":
-        fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v, p.causal,
-                  p.vector_loads, p.transposed_k_loads, p.aligned_out)
-    elif kind == "decode":
-        fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.head_dim, p.head_dim_v, p.capacity, p.k.shape,
-                  p.page_table is not None, p.seqlens is not None, p.vector_loads)
-    else:  # mla_decode
-        fields = (p.batch, p.heads, p.rank, p.rope, p.page_size, p.max_pages)
-    text = repr((kind, *fields, p.dtype, p.return_lse, device["name"], device["cc"], __version__))
-    return f"{kind}-" + hashlib.sha256(text.encode()).hexdigest()
-
-
-_MEMO = {}  # path → (mtime, {key: (config, splits)}) of the cache file, read once per change
-
-
-def tuned_config(kind, problem):
-    """``(config, splits)`` stored by ``tune`` for this problem of function ``kind``, or None: also, with a
-    warning, for an entry that is not among the candidates ``tune`` tries for the problem (one written
-    by hand, say), which the kernels might not build."""
-    path = cache.cache_path()
-    try:
-        mtime = os.stat(path).st_mtime_ns
-    except OSError:
-        return None
-    memo = _MEMO.get(path)
-    if memo is None or memo[0] != mtime:
-        memo = _MEMO[path] = (mtime, {})
-    key = problem_key(kind, problem)
-    if key not in memo[1]:
-        hit = cache.load(path, key)
-        tuned = None if hit is None else (hit["config"], hit["splits"])
-        if tuned is not None and tuned not in [(config, splits) for config, splits, _ in _OPTIONS[kind](problem)]:
-            config, splits = tuned
-            what = f"{splits} key splits" if config is None else f"{config} with {splits} key splits"
-            warnings.warn(f"ignoring numattn tuning cache entry in {path}: {what} is not one that numattn.tune "
-                          f"tries for this {kind} problem", cache.CacheWarning, stacklevel=3)
-            tuned = None
-        memo[1][key] = tuned
-    return memo[1][key]
 
 
 def tune(*args, warmup_iters=8, profile_iters=100, verbose=True, **kwargs):
@@ -86,13 +36,11 @@ def tune(*args, warmup_iters=8, profile_iters=100, verbose=True, **kwargs):
     process and later ones. Without a GPU the candidates run in numba's CUDA simulator. ``verbose``
     (the default) reports the stages on stderr, with a live bar on a terminal. Returns the table: per
     candidate its configuration, splits, whether its output matched, and its time in seconds."""
-    from .. import ops
-
-    fn = args[0] if args and callable(args[0]) else ops.attention.attention
+    fn = args[0] if args and callable(args[0]) else attention_op.attention
     call_args = args[1:] if args and callable(args[0]) else args
     adapters = {
-        ops.attention.attention: _attention_candidates, ops.decode.decode: _decode_candidates,
-        ops.decode.paged_decode: _paged_candidates, ops.mla.mla_decode: _mla_candidates,
+        attention_op.attention: _attention_candidates, decode_op.decode: _decode_candidates,
+        decode_op.paged_decode: _paged_candidates, mla_op.mla_decode: _mla_candidates,
     }
     if fn not in adapters:
         raise TypeError(f"tune takes numattn.attention, decode, paged_decode or mla_decode, got {fn!r}")
@@ -155,107 +103,47 @@ def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-# -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call), and per
-# kind the candidates of a problem (``_OPTIONS``, against which ``tuned_config`` checks entries) ---
+# -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call) ---
 def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False):
-    from ..ops.attention import _make_plan, _validate, from_dlpack
-
-    q, k, v = (from_dlpack(x) for x in (q, k, v))
-    p = _validate(q, k, v, None, causal, scale, layout, return_lse)
+    q, k, v = (attention_op.from_dlpack(x) for x in (q, k, v))
+    p = attention_op._validate(q, k, v, None, causal, scale, layout, return_lse)
 
     def make(config, splits):
-        plan = _make_plan(p, config, splits or 1)
+        plan = attention_op._make_plan(p, config, splits or 1)
         return lambda: _first(plan(q, k, v, None))
 
-    return "attention", p, _attention_options(p), make
-
-
-def _attention_options(p):
-    """``[(config, splits, modelled seconds)]`` of attention problem ``p``: the tile configurations and key splits."""
-    from ..ops.attention import split_options, tile_candidates
-    from .tune import attention_seconds
-
-    dims = ((p.batch, p.heads_q, p.seqlen_q, p.head_dim), (p.batch, p.heads_kv, p.head_dim, p.seqlen_kv),
-            (p.batch, p.heads_kv, p.seqlen_kv, p.head_dim_v), (p.batch, p.heads_q, p.seqlen_q, p.head_dim_v))
-    itemsize = 4 if p.dtype == "float32" else 2
-    candidates = []
-    for config in tile_candidates(p):
-        candidates += [(config, n, attention_seconds(*dims, itemsize, config, n)) for n in split_options(p, config)]
-    return candidates
+    return "attention", p, attention_op.tuning_options(p), make
 
 
 def _decode_like(kind, arrays, options, validate):
-    from ..ops import decode as module
-
-    arrays = [module.from_dlpack(x) if x is not None else None for x in arrays]
+    arrays = [decode_op.from_dlpack(x) if x is not None else None for x in arrays]
     p = validate(*arrays, *options)
 
     def make(config, splits):
-        plan = module._make_plan(p, splits)
+        plan = decode_op._make_plan(p, splits)
         return lambda: _first(plan(*arrays))
 
-    return kind, p, _decode_options(p), make
-
-
-def _decode_options(p):
-    """``[(None, splits, modelled seconds)]`` of decode problem ``p``: the key splits."""
-    itemsize = 4 if p.dtype == "float32" else 2
-    row_bytes = itemsize * (p.head_dim + p.head_dim_v)
-    return split_candidates(p.batch * p.heads_kv, p.capacity, row_bytes,
-                            itemsize * p.heads_q * p.seqlen_q * (p.head_dim + p.head_dim_v))
+    return kind, p, decode_op.tuning_options(p), make
 
 
 def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
-    from ..ops import decode as module
-
     return _decode_like("decode", (q, k_cache, v_cache, None, seqlens), (scale, layout, return_lse),
-                        module._validate_decode_args)
+                        decode_op._validate_decode_args)
 
 
 def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
-    from ..ops import decode as module
-
     return _decode_like("decode", (q, k_pages, v_pages, page_table, seqlens), (scale, kv_layout, return_lse),
-                        module._validate_paged_args)
+                        decode_op._validate_paged_args)
 
 
 def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
-    from ..ops import mla as module
-
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
-    p = module._validate(*arrays, scale, return_lse)
+    p = mla_op._validate(*arrays, scale, return_lse)
     if p.dtype == "float32":
         raise TypeError("tune(mla_decode, ...) tunes the float16 and bfloat16 kernels; float32 runs the decode kernel")
 
     def make(config, splits):
-        plan = module.planned(p, config, splits)
+        plan = mla_op.planned(p, config, splits)
         return lambda: _first(plan(*arrays))
 
-    return "mla_decode", p, _mla_options(p), make
-
-
-def _mla_options(p):
-    """``[(config, splits, modelled seconds)]`` of (float16 or bfloat16) MLA decode problem ``p``."""
-    from ..kernels.mla import mla_candidates, mla_config_error, mla_default_config
-    from ..kernels.mla_wgmma import PERSISTENT_HEADS
-
-    limits = device_limits(0 if p.device is None else p.device)
-    row_bytes = 2 * (p.rank + p.rope)
-    configs = mla_candidates(p.rank, p.rope, limits["cc"])
-    if SIMULATOR:  # the configurations that simulate in seconds
-        configs = [c for c in configs if not c.wgmma and c.block_n == 16 and c.stages == 2 and c.warps == 4]
-    # also the default's persistent grid where it has one, unsplit (split, or with more than
-    # PERSISTENT_HEADS heads, it runs the ordinary kernel)
-    persistent = dataclasses.replace(mla_default_config(p.rank, p.rope, limits["cc"]), persistent=True)
-    if p.heads <= PERSISTENT_HEADS and mla_config_error(persistent, p.rank, p.rope, limits["cc"]) is None:
-        configs = [*configs, persistent]
-    candidates = []
-    for config in configs:
-        work = p.batch * -(-p.heads // config.heads_per_block)
-        for _, splits, seconds in split_candidates(work, p.max_pages * p.page_size, row_bytes, row_bytes * p.heads):
-            if splits == 1 or not config.persistent:
-                candidates.append((config, splits, seconds))
-    return candidates
-
-
-_OPTIONS = {"attention": _attention_options, "decode": _decode_options, "mla_decode": _mla_options}
+    return "mla_decode", p, mla_op.tuning_options(p), make

@@ -39,7 +39,7 @@ class Tensor:
     dims: tuple
     dtype: DType
     node: "Node" = field(repr=False)
-    graph: "KernelGraph" = field(repr=False)
+    graph: "Graph" = field(repr=False)
 
     @property
     def num_dims(self):
@@ -72,8 +72,9 @@ def broadcast_dims(a, b, what):
     return tuple(dims)
 
 
-class KernelGraph:
-    """A kernel graph under construction (``numattn.new_kernel_graph()``)."""
+class Graph:
+    """A kernel graph: its nodes, inputs and outputs, built operation by operation. Users build the
+    ``KernelGraph`` subclass (``numattn.new_kernel_graph()``), which adds ``superoptimize``."""
 
     def __init__(self):
         self.nodes = []
@@ -194,7 +195,7 @@ class KernelGraph:
     def with_input_dims(self, dims):
         """A copy of this graph whose inputs have shapes ``dims`` (one per input, in order), every
         operation added again, so shape checks apply: ValueError where ``dims`` are inconsistent."""
-        graph = KernelGraph()
+        graph = type(self)()
         copies = {}
         for node in self.nodes:
             if node.op == "input":
@@ -236,18 +237,3 @@ class KernelGraph:
     def digest(self):
         """Hash of ``canonical()``: the graph part of the tuning-cache key."""
         return hashlib.sha256(self.canonical().encode()).hexdigest()[:24]
-
-    def superoptimize(self, config="attention", backend=None, warmup_iters=16, profile_iters=1000,
-                      previous_checkpoint=None, verbose=True):
-        """Search fused, equivalence-checked kernels for this graph; returns a callable ``OptimizedGraph``.
-
-        See ``numattn.search.pipeline.superoptimize``."""
-        from .pipeline import superoptimize
-
-        return superoptimize(self, config=config, backend=backend, warmup_iters=warmup_iters,
-                             profile_iters=profile_iters, previous_checkpoint=previous_checkpoint, verbose=verbose)
-
-
-def new_kernel_graph():
-    """An empty ``KernelGraph``."""
-    return KernelGraph()

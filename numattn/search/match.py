@@ -3,7 +3,7 @@ div → matmul``, and writing the canonical graph that a fused attention kernel 
 
 from dataclasses import dataclass
 
-from .graph import KernelGraph
+from .graph import Graph
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def attention_graph(graph, match, scale=None, reduce_dim=-1, subtracts_max=None)
     candidate, which verification must reject)."""
     scale = match.scale if scale is None else scale
     subtracts_max = match.subtracts_max if subtracts_max is None else subtracts_max
-    out = KernelGraph()
+    out = Graph()
     copies = {}
     for node in graph.nodes:
         if node.index in match.covered and node.index != match.out:

@@ -5,12 +5,12 @@ import warnings
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from .._arrays import describe, from_dlpack
 from .._cuda import SIMULATOR, simulate
 from ..kernels.launch import device_limits
 from ..ops.attention import _validate, split_options, tile_candidates
-from . import cache
+from ..tuning import cache
 from .match import find_attention
 from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature
 from .tune import SearchLog, model_seconds, time_seconds

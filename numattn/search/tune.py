@@ -4,45 +4,7 @@ import sys
 
 import numpy as np
 
-# the cost model's device: an H100's copy bandwidth, tensor/CUDA-core rates and SMs, per-launch cost
-_BANDWIDTH = 3.0e12
-_FLOPS = {"WgmmaConfig": 600e12, "MmaConfig": 300e12, "SimtConfig": 15e12, "unfused": 5e12}
-_SMS = 132
-_LAUNCH_SECONDS = 5e-6
-
-
-def attention_seconds(q, k, v, out, itemsize, config, splits):
-    """Modelled seconds of one fused attention kernel (and its combine when split) on dims ``q`` (…, Sq, D),
-    ``k`` (…, D, Skv), ``v`` (…, Skv, Dv), ``out`` (…, Sq, Dv)."""
-    batch = int(np.prod(out[:-2]))
-    flops = 2.0 * batch * out[-2] * k[-1] * (q[-1] + v[-1])
-    nbytes = itemsize * sum(int(np.prod(d)) for d in (q, k, v, out))
-    rate = _FLOPS.get(type(config).__name__, _FLOPS["MmaConfig"])  # None: the heuristic's
-    if config is not None:  # whole waves of blocks; under four warps a block leaves sub-partitions idle
-        blocks = batch * -(-out[-2] // config.block_m) * splits
-        rate *= blocks / (_SMS * -(-blocks // _SMS)) * min(1.0, config.num_threads / 128)
-    seconds = max(nbytes / _BANDWIDTH, flops / rate) + _LAUNCH_SECONDS
-    if splits > 1:  # the combine: float32 partials written and read back
-        seconds += 2 * 4 * batch * out[-2] * splits * (out[-1] + 1) / _BANDWIDTH + _LAUNCH_SECONDS
-    return seconds
-
-
-def split_candidates(work, capacity, row_bytes, query_bytes):
-    """``[(None, splits, modelled seconds)]`` for key splits 1, 2, 4, … of a decode over ``work`` blocks
-    and ``capacity`` keys (at least 32 keys per split): whole waves over the SMs of blocks reading
-    their share of the keys, plus the combine."""
-    from ..ops.attention import KEY_SPLITS
-
-    out = []
-    for splits in (1, *KEY_SPLITS):
-        if splits > 1 and 2 * splits > -(-capacity // 16):
-            break
-        waves = -(-work * splits // _SMS)
-        seconds = waves * -(-capacity // splits) * row_bytes / (_BANDWIDTH / _SMS) + query_bytes / _BANDWIDTH
-        if splits > 1:
-            seconds += 2 * splits * query_bytes / _BANDWIDTH + _LAUNCH_SECONDS
-        out.append((None, splits, seconds + _LAUNCH_SECONDS))
-    return out
+from ..tuning.models import BANDWIDTH, FLOPS, LAUNCH_SECONDS, attention_seconds
 
 
 def model_seconds(graph, plan):
@@ -59,13 +21,13 @@ def model_seconds(graph, plan):
             m = fused[node.index]
             q, k, v = (graph.nodes[i].output.dims for i in (m.q, m.k, m.v))
             if plan.k_layout == "copy":
-                total += 2 * itemsize * int(np.prod(k)) / _BANDWIDTH + _LAUNCH_SECONDS
+                total += 2 * itemsize * int(np.prod(k)) / BANDWIDTH + LAUNCH_SECONDS
             total += attention_seconds(q, k, v, node.output.dims, itemsize, plan.config, plan.splits)
             continue
         dims = node.output.dims
         nbytes = 4 * (int(np.prod(dims)) + sum(int(np.prod(i.dims)) for i in node.inputs))
         flops = 2.0 * int(np.prod(dims)) * (node.inputs[0].dims[-1] if node.op == "matmul" else 1)
-        total += max(nbytes / _BANDWIDTH, flops / _FLOPS["unfused"]) + _LAUNCH_SECONDS
+        total += max(nbytes / BANDWIDTH, flops / FLOPS["unfused"]) + LAUNCH_SECONDS
     return total
 
 

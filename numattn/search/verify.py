@@ -12,7 +12,7 @@ interpretation of the graph, with a tolerance for the graph's dtype.
 import numpy as np
 
 from .._arrays import describe, float32_values, host_storage
-from .graph import KernelGraph
+from .graph import Graph
 from .interpret import (
     DivisionByZero,
     FingerprintUnsupported,
@@ -28,7 +28,7 @@ TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max error / 
 
 def shrink(graph, extents):
     """A copy of ``graph`` with each extent e > 1 replaced by ``extents[e]``."""
-    out = KernelGraph()
+    out = Graph()
     copies = {}
     for node in graph.nodes:
         dims = tuple(extents.get(d, d) for d in node.output.dims)
