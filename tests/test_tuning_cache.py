@@ -221,3 +221,15 @@ def test_mla_decode_falls_back_to_its_default_past_a_configuration_that_does_not
         assert tuned_config("mla_decode", problem, tuning_options) is None
     o = mi.mla_decode(*args, scale=0.2)
     np.testing.assert_allclose(o.astype(np.float64), mi.reference.mla_decode(*args, scale=0.2), atol=2e-3)
+
+
+def test_entries_are_keyed_by_the_kernel_sources(monkeypatch, rng):
+    """A configuration tuned for other kernels is not reused: the problem key digests the kernel sources."""
+    from numattn.ops.attention import _validate
+    from numattn.tuning import store
+
+    q = rng.uniform(-1, 1, (1, 2, 24, 32)).astype(np.float16)
+    problem = _validate(q, q, q, None, False, 0.2, "bhsd", False)
+    before = problem_key("attention", problem)
+    monkeypatch.setattr(store, "source_digest", lambda: "other kernels")
+    assert problem_key("attention", problem) != before
