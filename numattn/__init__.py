@@ -1,7 +1,9 @@
 """numattn: attention kernels in pure Python with Numba CUDA."""
 
-from . import _cuda  # noqa: F401  (first: picks GPU or simulator before numba.cuda loads)
-from . import reference
+from . import (
+    _cuda,  # noqa: F401  (first: picks GPU or simulator before numba.cuda loads)
+    reference,
+)
 from ._cuda import SIMULATOR, simulate
 from ._version import __version__
 from .ops.attention import attention
@@ -10,7 +12,6 @@ from .ops.mla import mla_decode
 from .precompile import Workload, precompile
 from .search import bfloat16, float16, float32, new_kernel_graph, superoptimize
 from .search.functional import tune
-
 
 __all__ = [
     "attention", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "simulate", "__version__",

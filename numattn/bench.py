@@ -97,8 +97,9 @@ def _sdpa_backends(torch):
 def bench_attention(shapes, dtypes=("float16", "bfloat16", "float32"), causals=(False, True)):
     """Rows of {shape, dtype, causal, <impl>_ms, <impl>_tflops} for numattn and SDPA backends."""
     torch = _torch()
-    import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numattn
 
     rows = []
     for batch, heads, seqlen, head_dim in shapes:
@@ -149,8 +150,9 @@ def backend_context(name):
 def bench_host_overhead():
     """Host µs per call on tiny inputs: numattn, SDPA (default backend choice) and a plain torch op."""
     torch = _torch()
-    import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numattn
 
     q, k, v = (torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     a = torch.randn(16, device="cuda")
@@ -216,8 +218,9 @@ def bench_decode(shapes=DECODE_SHAPES, page_sizes=(1, 16, 64)):
     GB/s is the effective rate: K and V bytes of the valid keys over the kernel time.
     """
     torch = _torch()
-    import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numattn
 
     rows = []
     for batch, heads_q, heads_kv, length, dim, dtype in shapes:
@@ -256,8 +259,9 @@ def bench_decode_host_overhead():
     (``decode_plan``), next to torch SDPA and a plain torch op. Rounds of 50 calls queue less GPU work
     than the launch queue holds, so the GPU never holds the host back."""
     torch = _torch()
-    import numattn
     from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import numattn
 
     q = torch.randn(1, 8, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -388,9 +392,10 @@ def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, Tru
     SDPA backends; TFLOP/s count the backward as 2.5 forwards. ``numattn_fwd_ms`` times the forward
     alone (with the log-sum-exp the backward needs)."""
     torch = _torch()
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
     import numattn
     import numattn.torch as nt
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     rows = []
     for batch, heads, seqlen, head_dim in shapes:

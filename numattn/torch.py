@@ -26,7 +26,8 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(q, k, v, o, lse, do.to(q.dtype), causal=ctx.causal, scale=ctx.scale)
-        grads = [g.to(x.dtype) if need else None for g, x, need in zip((dq, dk, dv), (q, k, v), ctx.needs_input_grad)]
+        needs = ctx.needs_input_grad[:3]  # of q, k, v (causal and scale get none)
+        grads = [g.to(x.dtype) if need else None for g, x, need in zip((dq, dk, dv), (q, k, v), needs, strict=True)]
         return (*grads, None, None)
 
 

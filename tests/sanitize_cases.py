@@ -122,7 +122,7 @@ def run_backward_cases(rng):
             s = s.masked_fill(~mask, float("-inf"))
         (torch.softmax(s, -1).nan_to_num(0.0) @ exact[2].repeat_interleave(group, 1)).backward(do.double())
         errs = [(x.grad.double() - e.grad).abs().max().item() / max(1.0, e.grad.abs().max().item())
-                for x, e in zip(leaves, exact)]
+                for x, e in zip(leaves, exact, strict=True)]
         print(f"backward {dtype} causal={causal} q={shapes[0]} k={shapes[1]}: max grad errors {errs}")
         assert max(errs) < 2e-2
 

@@ -265,6 +265,6 @@ def test_simulated_calls_from_threads(rng):
 
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, cases))
-    for (q, k, v), o in zip(cases, results):
+    for (q, k, v), o in zip(cases, results, strict=True):
         assert max_error(o, reference.attention(q, k, v, causal=True)) < ATOL["float32"]
     assert sys.getswitchinterval() == interval

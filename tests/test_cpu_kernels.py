@@ -93,7 +93,7 @@ def test_attention_backward(rng, shape, causal):
     o, lse = cpu.attention_forward(q, k, v, scale, causal)
     grads = cpu.attention_backward(q, k, v, o, lse, do, scale, causal)
     for name, actual, expected, like in zip("dq dk dv".split(), grads, _reference_gradients(q, k, v, do, scale, causal),
-                                            (q, k, v)):
+                                            (q, k, v), strict=True):
         assert actual.dtype == np.float32 and actual.shape == like.shape, name
         # dk and dv sum over many query rows: allow for their magnitude
         _assert_close(actual, expected, atol=TOL * max(1.0, np.abs(expected).max()))
@@ -133,7 +133,7 @@ def test_results_independent_of_thread_count(rng):
                             *cpu.attention_forward(k, k, v, 0.2, True)])
     finally:
         numba.set_num_threads(threads)
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -283,7 +283,7 @@ def test_inputs_converted_to_one_specialisation(rng):
     v_read_only = v.copy()
     v_read_only.setflags(write=False)
     actual = cpu.attention_forward(q.astype(np.float64), k_strided, v_read_only, 0.25, True)
-    for a, b in zip(actual, expected):
+    for a, b in zip(actual, expected, strict=True):
         np.testing.assert_array_equal(a, b)
     cpu.attention_backward(q, k_strided, v_read_only, *expected, q.astype(np.float64), 0.25, False)
     for kernel in (cpu._attend, cpu._backward_kv, cpu._backward_q):

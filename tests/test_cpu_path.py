@@ -112,7 +112,7 @@ def test_torch_autograd(rng):
     k, v = (x.repeat_interleave(2, 1) for x in exact[1:])
     s = (exact[0] @ k.transpose(-1, -2) / 4.0).masked_fill(~torch.ones(33, 47, dtype=torch.bool).tril(14), -torch.inf)
     (torch.softmax(s, -1) @ v).backward(do.double())
-    for x, e in zip(leaves, exact):
+    for x, e in zip(leaves, exact, strict=True):
         assert (x.grad.double() - e.grad).abs().max().item() <= 1e-4
 
 

@@ -45,7 +45,7 @@ def test_explain_columns_line_up_for_any_description_length():
     note_start = header.index("note")
     assert header.startswith("candidate ") and note_start == time_end + 2
     assert len(lines) == len(table) and winner == "winner: unfused: one kernel per operation"
-    for line, row in zip(lines, table):
+    for line, row in zip(lines, table, strict=True):
         assert line.startswith(row["plan"] + " ")
         assert line[:verified_end].endswith(" yes" if row["verified"] else " no")
         assert line[:time_end].endswith(" us" if row["seconds"] is not None else " -")

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import numattn
-
 from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
 from numattn.kernels.tiles import tile_view
 
@@ -201,6 +200,7 @@ def test_stmatrix_inverts_the_fragment_layout(rng, where):
     if where == "gpu" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("stmatrix needs sm_90")
     from numba import cuda
+
     from warp_kernels import SHARED_BYTES, transpose_kernel
 
     a = rng.integers(0, 1 << 16, size=(16, 16), dtype=np.uint16)
@@ -216,6 +216,7 @@ def test_opaque_passes_integers_on(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import opaque_kernel
 
     base = np.array([int(rng.integers(1 << 40, 1 << 50))], np.int64)
@@ -232,6 +233,7 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import misc_kernel
 
     x = (rng.standard_normal((32, 2)) * 3).astype(np.float32)
@@ -258,6 +260,7 @@ def test_shared_word_stores_and_chunk_copies(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import staging_kernel
 
     words = rng.integers(0, 1 << 32, size=(32, 2), dtype=np.uint32)
@@ -278,6 +281,7 @@ def test_copies_from_global_addresses(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import address_copy_kernel
 
     src = rng.integers(0, 1 << 16, size=(8, 8, 40), dtype=np.uint16)
@@ -297,6 +301,7 @@ def test_online_softmax_headroom(rng, where, headroom):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import softmax_update_kernel
 
     first = rng.standard_normal((16, 16)).astype(np.float32)
@@ -320,6 +325,7 @@ def test_word_copies_from_strided_views(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import word_gather_kernel
 
     table = rng.integers(-(1 << 31), 1 << 31, size=(40, 12), dtype=np.int32)
@@ -336,6 +342,7 @@ def test_word_stores_at_global_addresses(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import address_store_kernel
 
     words = rng.integers(0, 1 << 32, size=(32, 3), dtype=np.uint32)
@@ -346,7 +353,7 @@ def test_word_stores_at_global_addresses(rng, where):
     rows = expected[:, ::2, :]  # a view: rows[l // 4, l % 4] is lane l's row
     for lane in range(32):
         row = rows[lane // 4, lane % 4]
-        for offset, word in zip((2, 4, 8), words[lane]):
+        for offset, word in zip((2, 4, 8), words[lane], strict=True):
             row[offset], row[offset + 1] = word & 0xFFFF, word >> 16
     assert np.array_equal(out.copy_to_host(), expected)
 
@@ -361,6 +368,7 @@ def test_wgmma_swizzled_operands(rng, bf16, where):
     if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma needs sm_90")
     from numba import cuda
+
     from warp_kernels import WG_D, WG_K, WG_N, WGMMA_SHARED_BYTES, make_wgmma_kernel
 
     a, bt = (_bits(rng.standard_normal((rows, WG_D)).astype(np.float32), bf16) for rows in (64, WG_N))
@@ -379,6 +387,7 @@ def test_named_barriers_take_turns(where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import turns_kernel
 
     order = cuda.to_device(np.full(8, -1, np.int32))
@@ -394,6 +403,7 @@ def test_bulk_reductions_add_staged_rows(rng, where):
     if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("bulk reductions need sm_90")
     from numba import cuda
+
     from warp_kernels import bulk_reduce_kernel
 
     src = rng.standard_normal((32, 16)).astype(np.float32)
@@ -410,6 +420,7 @@ def test_last_block_reads_every_block_through_l2(where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
+
     from warp_kernels import last_block_sum_kernel
 
     blocks, threads, launches = (4, 8, 2) if where == "sim" else (264, 64, 3)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import numattn as mi
-from numattn.tuning import cache
 from numattn.search.interpret import evaluate
 from numattn.search.match import find_attention
 from numattn.search.pipeline import random_inputs
 from numattn.search.plans import Plan, Runner
 from numattn.search.verify import fingerprint_check, numeric_check, to_float64
+from numattn.tuning import cache
 
 
 def tutorial_graph(batch=2, seqlen_q=16, head_dim=16, seqlen_kv=32, scale=None, subtract_max=False):
@@ -107,6 +107,8 @@ def test_numeric_check_rejects_a_wrong_kernel_and_accepts_the_right_one(rng):
     assert good is None
     bad, error = numeric_check(g, Runner(g, Plan("fused", (m,), None, "strided", overrides={"scale": 1.0})), draw)
     assert bad is not None and "relative error" in bad and error > 0.02
+    silent, _ = numeric_check(g, lambda arrays: [], draw)  # a candidate that returns nothing
+    assert silent == "0 outputs instead of 1"
 
 
 def test_unfused_plan_runs_any_graph(rng):
@@ -119,7 +121,7 @@ def test_unfused_plan_runs_any_graph(rng):
     g.mark_output(g.div(g.exp(h), g.reduction(g.exp(h), 2)))
     arrays, exact = random_inputs(g, rng, None)
     outputs = Runner(g, Plan("unfused"))(arrays)
-    for out, ref in zip(outputs, evaluate(g, exact)):
+    for out, ref in zip(outputs, evaluate(g, exact), strict=True):
         np.testing.assert_allclose(to_float64(out), ref, rtol=1e-4, atol=1e-4)
 
 

@@ -33,7 +33,7 @@ def check_gradients(q, k, v, causal):
     ref = reference_attention(*exact, causal, scale)
     ref.backward(do.double())
     assert (o.double() - ref).abs().max().item() <= GRAD_ATOL[q.dtype]
-    for x, e in zip((q, k, v), exact):
+    for x, e in zip((q, k, v), exact, strict=True):
         if x.requires_grad:
             assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
             err = (x.grad.double() - e.grad).abs().max().item()
@@ -133,7 +133,7 @@ def test_grouped_query_attention_module_matches_sdpa():
     y2 = layer.out_proj(o.transpose(1, 2).reshape(b, s, 32))
     y2.square().sum().backward()
     torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-4)
-    for g, p in zip(grads, [*layer.parameters(), x2]):
+    for g, p in zip(grads, [*layer.parameters(), x2], strict=True):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
     with pytest.raises(ValueError, match="multiple of heads"):
         nt.GroupedQueryAttention(dim=30, heads=4, kv_heads=2)

@@ -11,9 +11,9 @@ import pytest
 
 import numattn as mi
 from numattn.kernels.launch import device_limits
+from numattn.search.plans import Plan
 from numattn.tuning import cache
 from numattn.tuning.store import problem_key, tuned_config
-from numattn.search.plans import Plan
 
 from test_search import tutorial_graph
 

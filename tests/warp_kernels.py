@@ -4,6 +4,7 @@ import functools
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
+from numattn.kernels.decode import last_to_finish, release_counter
 from numattn.kernels.online_softmax import softmax_steps
 from numattn.kernels.ptx import (
     SW128_ALIGN,
@@ -15,13 +16,13 @@ from numattn.kernels.ptx import (
     bulk_reduce_add_f32,
     bulk_wait,
     bulk_wait_read,
+    copy_16_to_global,
     cp_async_4,
     cp_async_16,
     cp_async_16_at,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
-    copy_16_to_global,
     ex2_approx,
     fence_proxy_async,
     fence_registers,
@@ -33,8 +34,8 @@ from numattn.kernels.ptx import (
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
-    opaque,
     mma_m16n8k16_f16,
+    opaque,
     pack_bf16x2,
     pack_f16x2,
     shfl_xor_f32,
@@ -52,7 +53,6 @@ from numattn.kernels.ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
-from numattn.kernels.decode import last_to_finish, release_counter
 from numattn.kernels.tiles import sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)

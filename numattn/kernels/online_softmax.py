@@ -13,7 +13,6 @@ import functools
 import math
 
 import numpy as np
-
 from numba import float32
 
 from .._cuda import cuda

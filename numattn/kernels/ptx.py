@@ -136,7 +136,7 @@ def _global_address(context, builder, array_type, array, index_type, index, cont
     scaled by the constant item size; constant column offsets then fold into the address operand.
     """
     values = cgutils.unpack_tuple(builder, index, len(index_type))
-    indices = [context.cast(builder, v, t, types.intp) for v, t in zip(values, index_type)]
+    indices = [context.cast(builder, v, t, types.intp) for v, t in zip(values, index_type, strict=True)]
     aryty = make_array(array_type)(context, builder, array)
     if not contiguous_last:
         return builder.ptrtoint(cgutils.get_item_pointer(context, builder, array_type, aryty, indices), _i64)
@@ -563,7 +563,7 @@ def _ldmatrix_lowering(variant):
         sig = types.UniTuple(types.uint32, 4)(tile, row, col)
 
         def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:], sig.args[1:]))
+            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:], sig.args[1:], strict=True))
             result = ir.LiteralStructType([_i32] * 4)
             out = _asm(builder, text, "=r,=r,=r,=r,r,~{memory}", result, [address], side_effect=True)
             return _unpack_struct(context, builder, sig, out, 4)
@@ -624,8 +624,8 @@ def _stmatrix_lowering(variant):
             return None
 
         def codegen(context, builder, sig, args):
-            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:3], sig.args[1:3]))
-            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:])]
+            address = _shared_address(context, builder, sig.args[0], args[0], *zip(args[1:3], sig.args[1:3], strict=True))
+            regs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[3:], sig.args[3:], strict=True)]
             _asm(builder, text, "r,r,r,r,r,~{memory}", ir.VoidType(), [address, *regs], side_effect=True)
             return context.get_dummy_value()
 
@@ -1044,7 +1044,7 @@ def _st_shared_v2_f32(typingctx, dst, row, col, a, b):
 
     def codegen(context, builder, sig, args):
         shared = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]), (args[2], sig.args[2]))
-        pair = [context.cast(builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:])]
+        pair = [context.cast(builder, v, t, types.float32) for v, t in zip(args[3:], sig.args[3:], strict=True)]
         _asm(builder, "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}", ir.VoidType(), [shared, *pair],
              side_effect=True)
         return context.get_dummy_value()
@@ -1723,7 +1723,7 @@ def _named_barrier_lowering(instruction):
     @intrinsic
     def lowering(typingctx, barrier_id, count):
         def codegen(context, builder, sig, args):
-            operands = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+            operands = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args, strict=True)]
             _asm(builder, f"{instruction} $0, $1;", "r,r,~{memory}", ir.VoidType(), operands, side_effect=True)
             return context.get_dummy_value()
 

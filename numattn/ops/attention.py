@@ -200,7 +200,7 @@ def overlaps_itself(shape, strides):
     each axis must step past everything the smaller axes span (layouts that interleave otherwise
     count as overlapping)."""
     span = 1
-    for stride, extent in sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1):
+    for stride, extent in sorted((abs(s), n) for s, n in zip(strides, shape, strict=True) if n > 1):
         if stride < span:
             return True
         span = stride * (extent - 1) + span

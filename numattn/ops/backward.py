@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from numba import types
 
-from .._arrays import host_storage, describe, storage_dtype
+from .._arrays import describe, host_storage, storage_dtype
 from .._cuda import SIMULATOR, simulating
 from ..kernels import cpu
 from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
@@ -73,9 +73,9 @@ def _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, devic
     """The prepared launch of ``kernel`` on arrays of ``layout`` (torch dtype, shape, strides of each) and
     ``scalars``, built once per training shape rather than on every backward call."""
     dtypes = [storage_dtype(name.removeprefix("torch.")) for name, _, _ in layout]
-    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, (_, shape, _) in zip(dtypes, layout))
+    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, (_, shape, _) in zip(dtypes, layout, strict=True))
     launcher = compiled(kernel, argtypes + (types.float32,) * len(scalars), device, shared_bytes, label)
-    fields, slots = array_fields([(shape, strides, d.itemsize) for d, (_, shape, strides) in zip(dtypes, layout)])
+    fields, slots = array_fields([(shape, strides, d.itemsize) for d, (_, shape, strides) in zip(dtypes, layout, strict=True)])
     return launcher.prepare(grid, threads, fields + list(scalars), slots)
 
 

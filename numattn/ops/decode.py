@@ -180,7 +180,7 @@ def _common_checks(q_op, q4, k_op, v_op, k4, v4):
 def _caches(q_op, q4, k, v, names, text, axes):
     """Operands and ``[pages, Hkv, page_size, D]`` views of a key and a value cache, checked against q."""
     k_op, v_op = describe(k, names[0]), describe(v, names[1])
-    for name, op in zip(names, (k_op, v_op)):
+    for name, op in zip(names, (k_op, v_op), strict=True):
         _check_float(op, name, (4,), text)
     k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
     _common_checks(q_op, q4, k_op, v_op, k4, v4)
@@ -404,7 +404,7 @@ class _DevicePlan(_Plan):
         """A launch with the data pointers of the caches, page table and lengths (ints, 0 for none)
         fixed; it takes those of q, out, lse, the partials, their LSEs and the counters."""
         fields = list(self._fields)
-        for slot, pointer in zip(self._slots[1:5], (k, v, page_table, seqlens)):
+        for slot, pointer in zip(self._slots[1:5], (k, v, page_table, seqlens), strict=True):
             fields[slot] = pointer
         return self._kernel.prepare(self.grid, NUM_THREADS, fields, self._slots[:1] + self._slots[5:])
 
@@ -590,7 +590,7 @@ class _HostPlan(_Plan):
             op = replace(a.op, kind="numba", device=device, ptr=0, strides=contiguous_strides(x.shape))
             return _Array(op, x.shape, op.strides)
 
-        fields = {name: moved(getattr(p, name), x) for name, x in zip(("q", "k", "v", "page_table", "seqlens"), arrays)
+        fields = {name: moved(getattr(p, name), x) for name, x in zip(("q", "k", "v", "page_table", "seqlens"), arrays, strict=True)
                   if x is not None}
         plan = _CaiPlan(replace(p, device=device, **fields), self.splits)
         result = plan(*arrays)
@@ -909,7 +909,7 @@ def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"kv_indices[{i}] = {used[i]} is not a page index in [0, {int32_max}] (int32)")
-    lengths = [(int(n) - 1) * int(page_size) + int(filled) if n else 0 for n, filled in zip(counts, last)]
+    lengths = [(int(n) - 1) * int(page_size) + int(filled) if n else 0 for n, filled in zip(counts, last, strict=True)]
     for b, length in enumerate(lengths):
         if length > int32_max:
             raise ValueError(f"sequence {b} is {length} keys long ({counts[b]} pages of page_size {page_size}, "
@@ -946,7 +946,7 @@ def merge_states(o_a, lse_a, o_b, lse_b):
     if oa.device is None:
         flat = [np.ascontiguousarray(host_storage(x, op)).reshape(rows, dv) if i % 2 == 0
                 else np.ascontiguousarray(host_storage(x, op)).reshape(rows)
-                for i, (x, op) in enumerate(zip((o_a, lse_a, o_b, lse_b), ops))]
+                for i, (x, op) in enumerate(zip((o_a, lse_a, o_b, lse_b), ops, strict=True))]
         o = np.empty((rows, dv), storage_dtype(oa.dtype))
         lse = np.empty(rows, np.float32)
         if rows and SIMULATOR and not simulating():  # the CPU path

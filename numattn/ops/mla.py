@@ -86,10 +86,10 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     if scale is None:
         raise TypeError("scale is required (the softmax scale of the un-absorbed head dim)")
     names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache")
-    ops = [describe(x, n) for x, n in zip((q_nope, q_pe, ckv_cache, kpe_cache), names)]
+    ops = [describe(x, n) for x, n in zip((q_nope, q_pe, ckv_cache, kpe_cache), names, strict=True)]
     texts = ("(batch, heads, kv_lora_rank)", "(batch, heads, rope_dim)", "(num_pages, page_size, kv_lora_rank)",
              "(num_pages, page_size, rope_dim)")
-    for op, name, text in zip(ops, names, texts):
+    for op, name, text in zip(ops, names, texts, strict=True):
         if len(op.shape) != 3:
             raise ValueError(f"{name} must be 3-D {text}, got shape {op.shape}")
         if op.dtype not in ("float16", "bfloat16", "float32"):
@@ -97,10 +97,10 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     qn, qp, ckv, kpe = ops
     if len({op.dtype for op in ops}) > 1:
         raise TypeError("q_nope, q_pe and the caches must share one dtype, got " +
-                        ", ".join(f"{n} {op.dtype}" for n, op in zip(names, ops)))
+                        ", ".join(f"{n} {op.dtype}" for n, op in zip(names, ops, strict=True)))
     if len({op.device for op in ops}) > 1:
         raise ValueError("q_nope, q_pe and the caches must be on one device, got " +
-                         ", ".join(f"{n} on {op.where}" for n, op in zip(names, ops)))
+                         ", ".join(f"{n} on {op.where}" for n, op in zip(names, ops, strict=True)))
     batch, heads, rank = qn.shape
     rope = qp.shape[2]
     if qp.shape[:2] != (batch, heads):
@@ -119,7 +119,7 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     if rope % 16 or rope > MAX_ROPE:
         raise ValueError(f"rope_dim must be a multiple of 16 up to {MAX_ROPE} (0 allowed), got {rope}")
     if qn.dtype != "float32":  # float32 goes through a concatenated copy of the caches
-        for op, name in zip(ops, names):
+        for op, name in zip(ops, names, strict=True):
             _aligned_rows(op, name)
     t_op, s_op = page_indices(page_table, seqlens, batch, qn.device)
     shapes = tuple((op.shape, op.strides) for op in (*ops, t_op, s_op))

@@ -19,7 +19,7 @@ from ..ops import mla as mla_op
 from ..tuning import cache
 from ..tuning.store import problem_key
 from .plans import Plan
-from .tune import SearchLog
+from .tune import SearchLog, time_seconds
 
 TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
 
@@ -73,9 +73,7 @@ def _tune(kind, problem, candidates, make, warmup_iters, profile_iters, log):
             if device is None:
                 row["seconds"] = model
             else:
-                from .tune import time_seconds
-
-                row["seconds"] = time_seconds(lambda _: run(), [None], warmup_iters, profile_iters)
+                row["seconds"] = time_seconds(lambda _, run=run: run(), [None], warmup_iters, profile_iters)
             if best is None or row["seconds"] < best[2]:
                 best = (config, splits, row["seconds"])
         table.append(row)

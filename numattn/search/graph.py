@@ -65,7 +65,7 @@ def broadcast_dims(a, b, what):
     rank = max(len(a), len(b))
     a1, b1 = (1,) * (rank - len(a)) + tuple(a), (1,) * (rank - len(b)) + tuple(b)
     dims = []
-    for x, y in zip(a1, b1):
+    for x, y in zip(a1, b1, strict=True):
         if x != y and 1 not in (x, y):
             raise ValueError(f"{what}: shapes {tuple(a)} and {tuple(b)} do not broadcast")
         dims.append(max(x, y) if 1 not in (x, y) else x * y)

@@ -5,9 +5,9 @@ import warnings
 
 import numpy as np
 
-from .._version import __version__
 from .._arrays import describe, from_dlpack
 from .._cuda import SIMULATOR, simulate
+from .._version import __version__
 from ..kernels.launch import device_limits
 from ..ops.attention import _validate, split_options, tile_candidates
 from ..tuning import cache
@@ -64,7 +64,7 @@ def candidates(graph, sample):
         return plans, pruned
     m = matches[0]  # tile configurations offered for the first subgraph (all subgraphs share a plan)
     dims = {i: graph.nodes[i].output.dims for i in (m.q, m.k, m.v)}
-    sample_inputs = {t.node.index: x for t, x in zip(graph.inputs, sample)}
+    sample_inputs = {t.node.index: x for t, x in zip(graph.inputs, sample, strict=True)}
     if not all(i in sample_inputs for i in dims):
         views = None  # operands computed inside the graph: the heuristic's configuration only
     else:
@@ -114,7 +114,7 @@ class OptimizedGraph:
             raise ValueError(f"the graph has {len(declared)} inputs, got {len(arrays)}")
         arrays = [from_dlpack(x) for x in arrays]
         dims = []
-        for i, (x, t) in enumerate(zip(arrays, declared)):
+        for i, (x, t) in enumerate(zip(arrays, declared, strict=True)):
             op = describe(x, f"input {i}")
             if op.dtype != t.dtype.name:
                 raise TypeError(f"input {i} must have dtype {t.dtype.name}, got {op.dtype}")
@@ -242,7 +242,7 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
                 proxy_graph, proxy_plan = proxy(graph, plan)
                 with simulate():
                     reason, error = numeric_check(proxy_graph, Runner(proxy_graph, proxy_plan),
-                                                  lambda: random_inputs(proxy_graph, rng, None))
+                                                  lambda proxy_graph=proxy_graph: random_inputs(proxy_graph, rng, None))
                 shapes = ", ".join(str(t.dims) for t in proxy_graph.inputs)
             else:
                 reason, error = numeric_check(graph, runner, lambda: random_inputs(graph, rng, device))

@@ -261,7 +261,7 @@ def torch_signature(arrays):
     try:
         pointers = [x.data_ptr() for x in arrays]
         return tuple((x.__class__, x.dtype, x.shape, x.stride(), x.device, p & 15)
-                     for x, p in zip(arrays, pointers)), pointers
+                     for x, p in zip(arrays, pointers, strict=True)), pointers
     except (AttributeError, TypeError):
         return None, None
 

@@ -64,7 +64,7 @@ def fingerprint_check(graph, candidate_graph, rng, trials=TRIALS):
             return f"fingerprint unsupported: {e}"
         if len(want) != len(got):
             return f"fingerprint: {len(got)} outputs instead of {len(want)}"
-        for i, (w, g) in enumerate(zip(want, got)):
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
             if w.p.shape != g.p.shape or not np.array_equal(w.p, g.p) or not np.array_equal(w.q, g.q):
                 return f"fingerprint: output {i} differs (trial {done + 1})"
         done += 1
@@ -83,8 +83,10 @@ def numeric_check(graph, runner, make_inputs):
         return f"failed to run: {type(e).__name__}: {e}", None
     reference = evaluate(graph, exact)
     tolerance = TOLERANCE[graph.inputs[0].dtype.name]
+    if len(outputs) != len(reference):
+        return f"{len(outputs)} outputs instead of {len(reference)}", None
     worst = 0.0
-    for i, (out, ref) in enumerate(zip(outputs, reference)):
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
         got = to_float64(out)
         if got.shape != ref.shape:
             return f"output {i} has shape {got.shape}, expected {ref.shape}", None
