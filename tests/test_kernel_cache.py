@@ -80,6 +80,10 @@ def test_source_digest_changes_with_any_kernel_source(tmp_path):
     (package / "ptx.py").write_text("X = 1\n")
     (package.parent / "_cuda.py").write_text("Y = 4\n")
     assert kernel_cache.source_digest.__wrapped__(package) != before
+    (package.parent / "_cuda.py").write_text("Y = 2\n")
+    (package / "primitives").mkdir()
+    (package / "primitives" / "mma.py").write_text("Z = 5\n")  # a subpackage's modules count too
+    assert kernel_cache.source_digest.__wrapped__(package) != before
 
 
 def test_an_entry_is_built_once_then_read(cache_dir):

@@ -20,7 +20,7 @@ equal share in every warp) adds its row with a bulk asynchronous reduction
 rows); with two staging buffers a tile's reductions read while the next tile
 is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through two ``cp.async`` stages; K and V are copied once. All
-16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx.py``).
+16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 
 Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligned rows.
 """

@@ -12,7 +12,7 @@ four lanes of a group through shuffles), turns ``P`` into A fragments without
 leaving registers (an accumulator fragment pair is an A fragment) and adds
 ``P V`` (B fragments by ``ldmatrix.trans``).
 
-Fragment layouts (``kernels/ptx.py``): lane ``l`` has ``g = l // 4`` and
+Fragment layouts (``kernels/ptx/mma.py``): lane ``l`` has ``g = l // 4`` and
 ``t = l % 4``; an accumulator tile ``c[0..3]`` holds rows ``g`` (``c[0]``,
 ``c[1]``) and ``g + 8`` (``c[2]``, ``c[3]``), columns ``2t`` and ``2t + 1``.
 So each lane carries two query rows, and the row statistics ``m_i``, ``l_i``

@@ -3,7 +3,7 @@
 A block of ``warpgroups`` warpgroups owns ``64 · warpgroups`` query rows of one
 (batch, query head); each warpgroup 64 of them, each warp 16. K/V tiles of
 ``BLOCK_N`` keys stream through a ring of ``stages`` shared-memory buffers in
-the 128-byte swizzled layout that wgmma reads directly (``ptx.py``); every
+the 128-byte swizzled layout that wgmma reads directly (``ptx/wgmma.py``); every
 thread copies its share of a tile with ``cp.async``, and shared-memory
 barriers (mbarriers) track when a buffer is full (all copies landed) and
 empty (every warpgroup is done with it), so no block-wide barrier ties the

@@ -52,10 +52,11 @@ def cache_directory():
 
 @functools.lru_cache(maxsize=None)
 def source_digest(package=_PACKAGE):
-    """SHA-256 of the kernel sources: every ``.py`` file of ``package`` and the package's ``_cuda.py``."""
+    """SHA-256 of the kernel sources: every ``.py`` file under ``package`` (its subpackages too) and the
+    package's ``_cuda.py``."""
     digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")) + [package.parent / "_cuda.py"]:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(package.rglob("*.py")) + [package.parent / "_cuda.py"]:
+        digest.update(path.relative_to(package.parent).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

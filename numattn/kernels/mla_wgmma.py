@@ -4,7 +4,7 @@ A block owns one (sequence, key split, 64 query heads): the 64 heads are the M
 rows of ``wgmma`` m64 products (rows past the last head read zero queries and
 are not stored). Latent tiles of ``block_n`` rows ``[ckv | kpe]`` stream
 through a ring of ``stages`` shared-memory buffers in wgmma's 128-byte
-swizzled layout (``ptx.py``), behind the Q tile of the 64 heads; mbarriers
+swizzled layout (``ptx/wgmma.py``), behind the Q tile of the 64 heads; mbarriers
 track when a buffer is full (every thread's ``cp.async`` copies landed) and
 empty (both warpgroups are done with it), as in ``attention_wgmma.py``.
 

@@ -6,7 +6,7 @@
   rows from global to shared memory with 16-byte ``cp.async`` copies;
   ``row_major_cell`` and ``sw128_cell`` say where each element lands.
 * ``sw128_cell`` places an element of a tile stored in wgmma's 128-byte
-  swizzled layout (see ``ptx.py``) in a 64-column view of shared memory.
+  swizzled layout (see ``ptx/wgmma.py``) in a 64-column view of shared memory.
 * ``swizzled_rows``, ``tile_row_elems`` and ``tile_col`` lay out 16-bit tiles that
   ``cp.async`` fills and ``ldmatrix`` reads: unpadded rows with 16-byte chunks
   XOR-swizzled by row where the row allows it, padded rows elsewhere.
