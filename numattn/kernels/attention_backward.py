@@ -22,9 +22,8 @@ import math
 from numba import float32
 
 from .._cuda import cuda
+from .constants import LOG2E
 from .ptx import cvt_f32_bf16, cvt_f32_f16, shfl_xor_f32
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 @functools.lru_cache(maxsize=None)

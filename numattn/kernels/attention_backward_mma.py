@@ -50,7 +50,6 @@ from .tiles import NARROW, PAD, key_block, row_major_cell, tile_copier, tile_vie
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
-LOG2E = np.float32(1.0 / math.log(2.0))
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,9 @@ import numpy as np
 from numba import float32
 
 from .._cuda import cuda
+from .constants import LN2_F32
 from .tiles import NARROW, WIDEN, query_block, tile_view
 
-_LOG2E = np.float32(math.log2(math.e))
-_LN2 = np.float32(math.log(2.0))
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -230,6 +229,6 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                     if col < DV:
                         o[b, h, row, col] = narrow(acc[i, j] * inv_l)
                 if WRITE_LSE and tn == 0:
-                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * _LN2 if l_sum != _ZERO else _NEG_INF
+                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * LN2_F32 if l_sum != _ZERO else _NEG_INF
 
     return cuda.jit(kernel)

@@ -34,6 +34,7 @@ import numpy as np
 from numba import float32, int32, uint16, uint32, uint64
 
 from .._cuda import cuda
+from .constants import LN2_F32, LOG2E_F32
 from .online_softmax import softmax_steps
 from .ptx import (
     cp_async_4,
@@ -63,7 +64,6 @@ NUM_THREADS = 128
 WARPS = NUM_THREADS // 32
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
-_LN2 = np.float32(math.log(2.0))
 _REGISTER_FLOATS = 32  # per lane and row: query and accumulator entries kept in registers
 UNROLL = 4  # keys per lane group whose loads are in flight together
 
@@ -204,7 +204,7 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
             for c in range(QUAD):
                 o[ub, h, i, col + uint64(c)] = narrow(acc[c] * scale)
             if WRITE_LSE and col == 0:
-                lse[ub, h, i] = (m + math.log2(total)) * _LN2 if total != _ZERO else _NEG_INF
+                lse[ub, h, i] = (m + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
 
     return merge_splits
 
@@ -253,7 +253,7 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
             if SPLIT:
                 lse_part[b, h, i, split] = row_lse
             elif WRITE_LSE:
-                lse[b, h, i] = row_lse * _LN2
+                lse[b, h, i] = row_lse * LN2_F32
         cuda.syncthreads()
         for idx in range(tid, n_rows * DV, cuda.blockDim.x):
             r, col = idx // DV, idx % DV
@@ -484,11 +484,10 @@ def merge_kernel(dtype, head_dim_v):
     """
     DV = head_dim_v
     widen, narrow = WIDEN[dtype], NARROW[dtype]
-    LOG2E = np.float32(1.0 / math.log(2.0))
 
     def kernel(o_a, lse_a, o_b, lse_b, o, lse):
         row = cuda.blockIdx.x
-        la, lb = lse_a[row] * LOG2E, lse_b[row] * LOG2E
+        la, lb = lse_a[row] * LOG2E_F32, lse_b[row] * LOG2E_F32
         m_all = max(la, lb)
         m_ref = m_all if m_all != _NEG_INF else _ZERO  # both -inf: weights exp2(-inf) = 0
         wa, wb = ex2_approx(la - m_ref), ex2_approx(lb - m_ref)
@@ -499,7 +498,7 @@ def merge_kernel(dtype, head_dim_v):
                 value = (widen(o_a[row, col]) * wa + widen(o_b[row, col]) * wb) / total
             o[row, col] = narrow(value)
         if cuda.threadIdx.x == 0:
-            lse[row] = (m_all + math.log2(total)) * _LN2 if total != _ZERO else _NEG_INF
+            lse[row] = (m_all + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
 
     return cuda.jit(kernel)
 

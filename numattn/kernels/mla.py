@@ -29,6 +29,7 @@ import numpy as np
 from numba import float32, int32, uint16
 
 from .._cuda import cuda
+from .constants import LN2_F32
 from .mla_wgmma import (
     HEADS_PER_BLOCK,
     PERSISTENT_HEADS,
@@ -53,7 +54,6 @@ from .tiles import NARROW, swizzled_rows, tile_col, tile_row_elems, tile_view
 HEAD_ROWS = 16  # query heads per block: one m16 tile
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
-_LN2 = np.float32(math.log(2.0))
 
 # Per-block limits by compute capability: opt-in shared memory (bytes) and registers per SM.
 SHARED_LIMITS = {(8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376, (9, 0): 232_448}
@@ -385,7 +385,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
                     if SPLIT:
                         lse_part[b, h, 0, split] = row_lse
                     elif WRITE_LSE:
-                        lse[b, h] = row_lse * _LN2
+                        lse[b, h] = row_lse * LN2_F32
 
     return cuda.jit(kernel)
 

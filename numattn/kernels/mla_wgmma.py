@@ -57,6 +57,7 @@ import numpy as np
 from numba import float32, int32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
+from .constants import LN2_F32
 from .online_softmax import EAGER, RESCALE, p_fragments, quad_sum, softmax_steps
 from .ptx import (
     SW128_ALIGN,
@@ -98,7 +99,6 @@ THREADS = 128 * GROUPS
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
-_LN2 = np.float32(math.log(2.0))
 
 
 def wgmma_panels(rank, rope):
@@ -541,7 +541,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if SPLIT:
                     lse_part[b, h, 0, cuda.blockIdx.x] = row_lse
                 elif WRITE_LSE:
-                    lse[b, h] = row_lse * _LN2
+                    lse[b, h] = row_lse * LN2_F32
         if PERSISTENT and n_tiles == 0:  # no keys: zero rows, stored directly (the Q halves are taken)
             for i in range(tid, heads * R, THREADS):
                 o[b, i // R, i % R] = uint16(0)

@@ -16,10 +16,10 @@ import numpy as np
 from numba import float32
 
 from .._cuda import cuda
+from .constants import LN2_F32
 from .ptx import ballot, ex2_approx, pack_bf16x2, pack_f16x2, shfl_xor_f32
 from .tiles import NARROW
 
-_LN2 = np.float32(math.log(2.0))
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -159,7 +159,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                     acc[mt, dt, 2 * half + 1] *= inv_l
                 row = row0 + 16 * mt + g + 8 * half
                 if write_lse and t == 0 and row < seqlen_q:
-                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * _LN2 if l_sum != _ZERO else _NEG_INF
+                    lse[b, h, row] = (m_i[r] + math.log2(l_sum)) * LN2_F32 if l_sum != _ZERO else _NEG_INF
 
     @cuda.jit(device=True, forceinline=True)
     def store(o, acc, b, h, row0, seqlen_q, g, t):

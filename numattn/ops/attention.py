@@ -47,6 +47,7 @@ from ..kernels.attention_wgmma import (
     wgmma_configs,
     wgmma_supported,
 )
+from ..kernels.constants import LOG2E
 from ..kernels.decode import MAX_SPLITS
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..tuning.models import KEY_SPLITS, attention_seconds
@@ -58,7 +59,6 @@ _LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
 _LAYOUT_DIMS = {"bhsd": "(batch, heads, seqlen, head_dim)", "bshd": "(batch, seqlen, heads, head_dim)"}
 MAX_HEAD_DIM = 256
 _MAX_GRID = 2**31 - 1
-LOG2E = math.log2(math.e)
 MAX_SCALE = float(np.finfo(np.float32).max) / LOG2E  # kernels take scale · log2(e) as a float32
 
 

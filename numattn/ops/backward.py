@@ -19,7 +19,6 @@ from .._cuda import SIMULATOR, simulating
 from ..kernels import cpu
 from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
 from ..kernels.attention_backward_mma import (
-    LOG2E,
     BackwardMmaConfig,
     backward_mma_kernel,
     backward_mma_supported,
@@ -31,6 +30,7 @@ from ..kernels.attention_backward_wgmma import (
     backward_wgmma_supported,
     choose_backward_wgmma_config,
 )
+from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -122,5 +122,5 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
     kernel = _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, bool(causal))
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     _launch(kernel, f"backward {config} {what}", grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
-            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E)), stream)
+            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream)
     return dq, dk, dv

@@ -33,6 +33,7 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda, simulating
 from ..kernels import cpu
+from ..kernels.constants import LOG2E
 from ..kernels.decode import (
     MAX_SPLITS,
     MMA_KEYS,
@@ -49,7 +50,7 @@ from ..kernels.decode import (
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..tuning.models import split_candidates
 from ..tuning.store import tuned_config
-from .attention import LOG2E, choice, out_operand, softmax_scale
+from .attention import choice, out_operand, softmax_scale
 from .checks import DeviceIndexCheck, check_lengths_and_pages, host_values
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 

@@ -25,6 +25,7 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, simulating
 from ..kernels import cpu
+from ..kernels.constants import LOG2E
 from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import (
@@ -38,7 +39,7 @@ from ..kernels.mla import (
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
 from ..tuning.models import split_candidates
 from ..tuning.store import tuned_config
-from .attention import LOG2E, softmax_scale
+from .attention import softmax_scale
 from .checks import DeviceIndexCheck, check_lengths_and_pages
 from .decode import (
     TorchOutputs,
