@@ -7,8 +7,10 @@ from . import (
 from ._cuda import SIMULATOR, simulate
 from ._version import __version__
 from .ops.attention import attention
-from .ops.decode import DecodePlan, csr_page_table, decode, decode_plan, merge_states, paged_decode, paged_decode_plan
+from .ops.decode import DecodePlan, decode, decode_plan, paged_decode, paged_decode_plan
+from .ops.merge import merge_states
 from .ops.mla import mla_decode
+from .ops.pages import csr_page_table
 from .precompile import Workload, precompile
 from .search import bfloat16, float16, float32, new_kernel_graph, superoptimize
 from .search.functional import tune

@@ -1,4 +1,4 @@
-"""``numattn.decode``, ``numattn.paged_decode``, ``numattn.merge_states``: attention for generation.
+"""``numattn.decode``, ``numattn.paged_decode`` and their plans: attention for generation.
 
 Both decode entry points reduce to one problem: query rows ``[B, Hq, Sq, D]``
 against keys and values in 4-D ``[pages, Hkv, page_size, D]`` views (any
@@ -7,7 +7,6 @@ and optional per-sequence lengths. ``kernels/decode.py`` computes it with
 split-KV flash decoding.
 """
 
-import functools
 from dataclasses import dataclass, replace
 
 import numba
@@ -45,7 +44,6 @@ from ..kernels.decode import (
     decode_mma_kernel,
     decode_mma_shared_bytes,
     decode_mma_supported,
-    merge_kernel,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..tuning.models import split_candidates
@@ -761,7 +759,7 @@ def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_lay
     scale, return_lse, check, out : as in ``decode``; ``check`` also checks that every page index
         a sequence uses lies in ``[0, num_pages)`` (unchecked indices are clamped into it).
 
-    See ``csr_page_table`` for FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
+    See ``numattn.csr_page_table`` for FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
     """
     return _run("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
                 (scale, kv_layout, return_lse), check, out)
@@ -869,118 +867,3 @@ class DecodePlan:
         if self._run is None:
             return self._plan(q, *self._bound, out)
         return self._run(out, address)
-
-
-def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
-    """``(page_table, seqlens)`` from FlashInfer's CSR description of a paged cache.
-
-    Sequence ``b`` uses pages ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, its last one
-    filled to ``kv_last_page_len[b]``. Host (numpy) arrays in (an empty list is an empty index
-    array), int32 numpy arrays out; the table's unused entries are 0. A batch has at least one
-    sequence (as ``paged_decode`` takes); the page indices used must lie in ``[0, 2**31 - 1]`` and
-    the lengths must not exceed ``2**31 - 1`` (``ValueError`` otherwise: nothing wraps). Converting
-    once per batch layout keeps the decode call free of host work.
-    """
-    int32_max = int(np.iinfo(np.int32).max)
-    arrays = []
-    for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-        x = np.asarray(x)
-        if x.ndim == 1 and x.size == 0:
-            x = x.astype(np.int64)  # np.asarray([]) is float64
-        if x.dtype.kind not in "iu" or x.ndim != 1:
-            raise TypeError(f"{name} must be a 1-D integer array, got {x.dtype} with shape {x.shape}")
-        arrays.append(x)
-    indptr, indices, last = arrays
-    batch = len(indptr) - 1
-    if batch < 1:
-        raise ValueError(f"kv_indptr must have batch + 1 entries for a batch of at least 1 sequence, got {len(indptr)}")
-    if len(last) != batch:
-        raise ValueError(f"kv_last_page_len must have one entry per sequence ({batch}), got {len(last)}")
-    if indptr[0] != 0 or (indptr[1:] < indptr[:-1]).any() or indptr[-1] > len(indices):
-        raise ValueError("kv_indptr must start at 0, not decrease, and end within kv_indices")
-    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    counts = np.diff(indptr)
-    bad = (last < 0) | (last > page_size) | ((last == 0) & (counts > 0))
-    if bad.any():
-        b = int(np.argmax(bad))
-        raise ValueError(f"kv_last_page_len[{b}] = {last[b]} is not in [{1 if counts[b] else 0}, {page_size}]")
-    used = indices[: indptr[-1]]
-    bad = (used < 0) | (used > int32_max)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"kv_indices[{i}] = {used[i]} is not a page index in [0, {int32_max}] (int32)")
-    lengths = [(int(n) - 1) * int(page_size) + int(filled) if n else 0 for n, filled in zip(counts, last, strict=True)]
-    for b, length in enumerate(lengths):
-        if length > int32_max:
-            raise ValueError(f"sequence {b} is {length} keys long ({counts[b]} pages of page_size {page_size}, "
-                             f"kv_last_page_len[{b}] = {last[b]}): seqlens must be at most {int32_max} (int32)")
-    table = np.zeros((batch, max(1, int(counts.max()))), np.int32)
-    for b in range(batch):
-        table[b, : counts[b]] = indices[indptr[b] : indptr[b + 1]]
-    return table, np.array(lengths, np.int32)
-
-
-def merge_states(o_a, lse_a, o_b, lse_b):
-    """Attention over the union of two disjoint key sets from the two partial results.
-
-    ``o_*`` ``[..., head_dim_v]`` and their natural-log ``lse_*`` ``[...]`` (float32), as
-    ``attention(..., return_lse=True)`` or ``decode(..., return_lse=True)`` return them for
-    the two key sets; ``-inf`` marks a row that saw no key (both ``-inf``: ``o`` 0, ``lse`` ``-inf``).
-    A NaN or ``+inf`` ``lse`` on either side makes that row's ``o`` and ``lse`` NaN (``+inf`` leaves
-    no finite weights). Returns ``(o, lse)`` like ``o_a``. The split-KV combine step uses the same
-    weights: ``exp(lse_x - lse)``.
-    """
-    ops = [describe(x, n) for x, n in ((o_a, "o_a"), (lse_a, "lse_a"), (o_b, "o_b"), (lse_b, "lse_b"))]
-    oa, la, ob, lb = ops
-    if oa.dtype not in FLOAT_DTYPES or ob.dtype != oa.dtype:
-        raise TypeError(f"o_a and o_b must share a float dtype, got {oa.dtype} and {ob.dtype}")
-    if la.dtype != "float32" or lb.dtype != "float32":
-        raise TypeError(f"lse_a and lse_b must be float32, got {la.dtype} and {lb.dtype}")
-    if oa.shape != ob.shape or len(oa.shape) < 1 or la.shape != oa.shape[:-1] or lb.shape != la.shape:
-        raise ValueError(f"o_a, o_b must share a shape [..., head_dim_v] and lse_a, lse_b be [...]: got "
-                         f"{oa.shape}, {ob.shape}, {la.shape}, {lb.shape}")
-    if len({op.device for op in ops}) > 1:
-        raise ValueError("o_a, lse_a, o_b and lse_b must be on one device")
-    rows, dv = int(np.prod(oa.shape[:-1])), oa.shape[-1]
-    kernel = merge_kernel(oa.dtype, dv)
-    if oa.device is None:
-        flat = [np.ascontiguousarray(host_storage(x, op)).reshape(rows, dv) if i % 2 == 0
-                else np.ascontiguousarray(host_storage(x, op)).reshape(rows)
-                for i, (x, op) in enumerate(zip((o_a, lse_a, o_b, lse_b), ops, strict=True))]
-        o = np.empty((rows, dv), storage_dtype(oa.dtype))
-        lse = np.empty(rows, np.float32)
-        if rows and SIMULATOR and not simulating():  # the CPU path
-            merged, lse = cpu.merge_states(float32_values(flat[0], oa.dtype), flat[1], float32_values(flat[2], oa.dtype),
-                                           flat[3])
-            o = rounded_storage(merged, oa.dtype)
-        elif rows:
-            if SIMULATOR:
-                compiled(kernel, None, 0, 0, f"merge {oa.dtype}").launch_arrays(rows, NUM_THREADS, *flat, o, lse)
-            else:
-                device = [cuda.to_device(a) for a in (*flat, o, lse)]
-                kernel[rows, NUM_THREADS](*device)
-                o, lse = device[4].copy_to_host(), device[5].copy_to_host()
-        return (wrap_host(o.reshape(oa.shape), o_a, oa.dtype), wrap_host(lse.reshape(la.shape), o_a, "float32"))
-    if not all(op.kind == "torch" for op in ops):
-        raise TypeError("merge_states on a GPU takes torch tensors")
-    import torch
-
-    a, b = o_a.reshape(rows, dv).contiguous(), o_b.reshape(rows, dv).contiguous()
-    la_flat, lb_flat = lse_a.reshape(rows).contiguous(), lse_b.reshape(rows).contiguous()
-    o, lse = torch.empty_like(a), torch.empty_like(la_flat)
-    if rows:
-        launch = _merge_launch(oa.dtype, dv, rows, oa.device)
-        stream = torch.cuda.current_stream(a.device).cuda_stream
-        launch(stream, *(x.data_ptr() for x in (a, la_flat, b, lb_flat, o, lse)))
-    return o.reshape(oa.shape), lse.reshape(la.shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _merge_launch(dtype, head_dim_v, rows, device):
-    storage = numba.from_dtype(storage_dtype(dtype))
-    o_type, lse_type = types.Array(storage, 2, "A"), types.Array(types.float32, 1, "A")
-    kernel = compiled(merge_kernel(dtype, head_dim_v), (o_type, lse_type) * 3, device, 0, f"merge {dtype} dv={head_dim_v}")
-    item = storage_dtype(dtype).itemsize
-    fields, slots = array_fields((((rows, head_dim_v), (head_dim_v, 1), item), ((rows,), (1,), 4)) * 3)
-    return kernel.prepare(rows, NUM_THREADS, fields, slots)
