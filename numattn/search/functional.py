@@ -20,8 +20,7 @@ from ..tuning import cache
 from ..tuning.store import problem_key
 from .plans import Plan
 from .tune import SearchLog, time_seconds
-
-TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max difference / max |heuristic's output|
+from .verify import TOLERANCE, to_float64
 
 
 def tune(*args, warmup_iters=8, profile_iters=100, verbose=True, **kwargs):
@@ -91,8 +90,6 @@ def _tune(kind, problem, candidates, make, warmup_iters, profile_iters, log):
 
 
 def _relative_difference(output, reference):
-    from .verify import to_float64
-
     got, want = to_float64(output), to_float64(reference)
     return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
 

@@ -23,7 +23,9 @@ from .interpret import (
 )
 
 TRIALS = 3
-TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}  # max error / max |reference|
+# a candidate's largest error over the largest magnitude of what it is checked against (the float64
+# reference of a graph, or the heuristic's output in numattn.tune), per dtype of its inputs
+TOLERANCE = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-3}
 
 
 def shrink(graph, extents):
