@@ -9,10 +9,15 @@ wrap results back into the caller's library.
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ._cuda import SIMULATOR, cuda
+
+Array = Any
+"""Type of numattn's array arguments and results: a torch tensor, numpy array, numba device array, or any
+object with ``__cuda_array_interface__`` or ``__dlpack__`` (results come back in the caller's library)."""
 
 if SIMULATOR:
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as _NumbaDeviceArray

@@ -73,7 +73,7 @@ PRESETS = {
 op. The MLA preset takes DeepSeek-V3's latent cache with 16 heads per GPU (8-way tensor parallel) and 128."""
 
 
-def precompile(*workloads, processes=None):
+def precompile(*workloads: "Workload | str", processes: int | None = None) -> list[dict]:
     """Compile the kernels of ``workloads`` into the kernel cache, in parallel worker processes.
 
     Parameters

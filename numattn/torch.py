@@ -31,7 +31,8 @@ class _Attention(torch.autograd.Function):
         return (*grads, None, None)
 
 
-def attention(q, k, v, causal=False, scale=None):
+def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: bool = False,
+              scale: float | None = None) -> "torch.Tensor":
     """``softmax(scale · q kᵀ) v`` with gradients for q, k and v (whichever require them).
 
     Parameters

@@ -10,6 +10,7 @@ from numba import types
 
 from .._arrays import (
     FLOAT_DTYPES,
+    Array,
     Operand,
     cai_stream,
     contiguous_strides,
@@ -598,7 +599,8 @@ def planned(q, k, v, *, scale, config=None, splits=1):
     return _make_plan(problem, config, splits), problem
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False, out=None):
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
+              layout: str = "bhsd", return_lse: bool = False, out: Array | None = None) -> Array | tuple[Array, Array]:
     """Fused softmax attention ``softmax(scale · q kᵀ) v`` with an online softmax.
 
     Parameters

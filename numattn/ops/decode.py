@@ -15,6 +15,7 @@ from numba import types
 
 from .._arrays import (
     FLOAT_DTYPES,
+    Array,
     Operand,
     cai_stream,
     contiguous_strides,
@@ -690,7 +691,9 @@ def _capturing(p):
     return capturing_now(torch)
 
 
-def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False, check=True, out=None):
+def decode(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = None, scale: float | None = None,
+           layout: str = "bhsd", return_lse: bool = False, check: bool = True,
+           out: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention of a few new query tokens per sequence over a KV cache (split-KV flash decoding).
 
     Parameters
@@ -743,8 +746,9 @@ def _validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layou
     return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out)
 
 
-def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False,
-                 check=True, out=None):
+def paged_decode(q: Array, k_pages: Array, v_pages: Array, page_table: Array, seqlens: Array, *,
+                 scale: float | None = None, kv_layout: str = "nhd", return_lse: bool = False, check: bool = True,
+                 out: Array | None = None) -> Array | tuple[Array, Array]:
     """Decode attention over a paged KV cache.
 
     Parameters
@@ -769,7 +773,8 @@ def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_lay
     return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out)
 
 
-def decode_plan(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
+def decode_plan(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = None,
+                scale: float | None = None, layout: str = "bhsd", return_lse: bool = False) -> "DecodePlan":
     """``numattn.decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these caches
     (and ``seqlens``), called with each step's new ``q``.
 
@@ -790,7 +795,8 @@ def decode_plan(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd",
     return DecodePlan("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens], (scale, layout, return_lse))
 
 
-def paged_decode_plan(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+def paged_decode_plan(q: Array, k_pages: Array, v_pages: Array, page_table: Array, seqlens: Array, *,
+                      scale: float | None = None, kv_layout: str = "nhd", return_lse: bool = False) -> "DecodePlan":
     """``numattn.paged_decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these pages,
     page table and lengths, called with each step's new ``q`` (see ``decode_plan``)."""
     return DecodePlan("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],

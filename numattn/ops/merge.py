@@ -8,6 +8,7 @@ from numba import types
 
 from .._arrays import (
     FLOAT_DTYPES,
+    Array,
     describe,
     float32_values,
     host_storage,
@@ -21,7 +22,7 @@ from ..kernels.decode import NUM_THREADS, merge_kernel
 from ..kernels.launch import array_fields, compiled
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
+def merge_states(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Array, Array]:
     """Attention over the union of two disjoint key sets from the two partial results.
 
     ``o_*`` ``[..., head_dim_v]`` and their natural-log ``lse_*`` ``[...]`` (float32), as

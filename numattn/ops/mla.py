@@ -13,6 +13,7 @@ import numpy as np
 from numba import types
 
 from .._arrays import (
+    Array,
     contiguous_strides,
     describe,
     float32_values,
@@ -293,7 +294,8 @@ _PLANS = {}
 _MAX_PLANS = 256
 
 
-def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False, check=True):
+def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, page_table: Array, seqlens: Array,
+               *, scale: float, return_lse: bool = False, check: bool = True) -> Array | tuple[Array, Array]:
     """MLA decode (absorbed weights): every query head attends to the shared latent rows of its sequence.
 
     Parameters

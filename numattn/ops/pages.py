@@ -4,7 +4,8 @@ the page table and lengths that ``paged_decode`` takes."""
 import numpy as np
 
 
-def csr_page_table(kv_indptr, kv_indices, kv_last_page_len, page_size):
+def csr_page_table(kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_last_page_len: np.ndarray,
+                   page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(page_table, seqlens)`` from FlashInfer's CSR description of a paged cache.
 
     Sequence ``b`` uses pages ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, its last one

@@ -18,12 +18,12 @@ class KernelGraph(Graph):
                               profile_iters=profile_iters, previous_checkpoint=previous_checkpoint, verbose=verbose)
 
 
-def new_kernel_graph():
+def new_kernel_graph() -> KernelGraph:
     """An empty ``KernelGraph``."""
     return KernelGraph()
 
 
-def superoptimize(graph, config="attention", **options):
+def superoptimize(graph: KernelGraph, config: str = "attention", **options):
     """``graph.superoptimize(config=config, **options)``, called as Mirage's ``mi.superoptimize(graph)``."""
     if not isinstance(graph, KernelGraph):
         raise TypeError(f"superoptimize takes a kernel graph (numattn.new_kernel_graph()), got {type(graph).__name__}")

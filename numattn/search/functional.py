@@ -23,7 +23,7 @@ from .tune import SearchLog, time_seconds
 from .verify import TOLERANCE, to_float64
 
 
-def tune(*args, warmup_iters=8, profile_iters=100, verbose=True, **kwargs):
+def tune(*args, warmup_iters: int = 8, profile_iters: int = 100, verbose: bool = True, **kwargs) -> list[dict]:
     """Tune one call: ``numattn.tune(q, k, v, **attention_kwargs)`` for ``numattn.attention``, or
     ``numattn.tune(fn, *args, **kwargs)`` with ``fn`` one of ``numattn.attention``, ``decode``,
     ``paged_decode``, ``mla_decode`` and the arguments of a call of it.
