@@ -4,7 +4,6 @@ import functools
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
-from numattn.kernels.decode import last_to_finish, release_counter
 from numattn.kernels.online_softmax import softmax_steps
 from numattn.kernels.ptx import (
     SW128_ALIGN,
@@ -53,6 +52,7 @@ from numattn.kernels.ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
+from numattn.kernels.split_merge import last_to_finish, release_counter
 from numattn.kernels.tiles import sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)

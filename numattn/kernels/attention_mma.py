@@ -31,7 +31,6 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .decode import last_to_finish, release_counter, split_merger
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
     cp_async_16,
@@ -44,6 +43,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
 )
+from .split_merge import last_to_finish, release_counter, split_merger
 from .tiles import query_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)

@@ -49,8 +49,8 @@ from ..kernels.attention_wgmma import (
     wgmma_supported,
 )
 from ..kernels.constants import LOG2E
-from ..kernels.decode import MAX_SPLITS
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..kernels.split_merge import MAX_SPLITS
 from ..tuning.models import KEY_SPLITS, attention_seconds
 from ..tuning.store import tuned_config
 from .workspace import SplitWorkspaces, WorkspaceLayout

@@ -35,7 +35,6 @@ from .._cuda import SIMULATOR, cuda, simulating
 from ..kernels import cpu
 from ..kernels.constants import LOG2E
 from ..kernels.decode import (
-    MAX_SPLITS,
     MMA_KEYS,
     MMA_ROWS,
     NUM_THREADS,
@@ -47,6 +46,7 @@ from ..kernels.decode import (
     decode_mma_supported,
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..kernels.split_merge import MAX_SPLITS
 from ..tuning.models import split_candidates
 from ..tuning.store import tuned_config
 from .attention import choice, out_operand, softmax_scale

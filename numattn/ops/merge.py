@@ -18,8 +18,8 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda, simulating
 from ..kernels import cpu
-from ..kernels.decode import NUM_THREADS, merge_kernel
 from ..kernels.launch import array_fields, compiled
+from ..kernels.split_merge import MERGE_THREADS, merge_kernel
 
 
 def merge_states(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Array, Array]:
@@ -57,10 +57,10 @@ def merge_states(o_a: Array, lse_a: Array, o_b: Array, lse_b: Array) -> tuple[Ar
             o = rounded_storage(merged, oa.dtype)
         elif rows:
             if SIMULATOR:
-                compiled(kernel, None, 0, 0, f"merge {oa.dtype}").launch_arrays(rows, NUM_THREADS, *flat, o, lse)
+                compiled(kernel, None, 0, 0, f"merge {oa.dtype}").launch_arrays(rows, MERGE_THREADS, *flat, o, lse)
             else:
                 device = [cuda.to_device(a) for a in (*flat, o, lse)]
-                kernel[rows, NUM_THREADS](*device)
+                kernel[rows, MERGE_THREADS](*device)
                 o, lse = device[4].copy_to_host(), device[5].copy_to_host()
         return (wrap_host(o.reshape(oa.shape), o_a, oa.dtype), wrap_host(lse.reshape(la.shape), o_a, "float32"))
     if not all(op.kind == "torch" for op in ops):
@@ -84,4 +84,4 @@ def _merge_launch(dtype, head_dim_v, rows, device):
     kernel = compiled(merge_kernel(dtype, head_dim_v), (o_type, lse_type) * 3, device, 0, f"merge {dtype} dv={head_dim_v}")
     item = storage_dtype(dtype).itemsize
     fields, slots = array_fields((((rows, head_dim_v), (head_dim_v, 1), item), ((rows,), (1,), 4)) * 3)
-    return kernel.prepare(rows, NUM_THREADS, fields, slots)
+    return kernel.prepare(rows, MERGE_THREADS, fields, slots)

@@ -27,7 +27,7 @@ from .._arrays import (
 from .._cuda import SIMULATOR, simulating
 from ..kernels import cpu
 from ..kernels.constants import LOG2E
-from ..kernels.decode import MAX_SPLITS, NUM_THREADS, combine_kernel
+from ..kernels.decode import NUM_THREADS
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.mla import (
     HEAD_ROWS,
@@ -38,6 +38,7 @@ from ..kernels.mla import (
     mla_shared_bytes,
 )
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
+from ..kernels.split_merge import MAX_SPLITS, combine_kernel
 from ..tuning.models import split_candidates
 from ..tuning.store import tuned_config
 from .attention import softmax_scale

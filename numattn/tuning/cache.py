@@ -30,8 +30,8 @@ except ImportError:  # Windows
 from ..kernels.attention_mma import MmaConfig
 from ..kernels.attention_simt import SimtConfig
 from ..kernels.attention_wgmma import WgmmaConfig
-from ..kernels.decode import MAX_SPLITS
 from ..kernels.mla import MlaConfig
+from ..kernels.split_merge import MAX_SPLITS
 
 _CONFIGS = {c.__name__: c for c in (MmaConfig, SimtConfig, WgmmaConfig, MlaConfig)}
 FILE_NAME = "superoptimize.json"

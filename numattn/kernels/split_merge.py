@@ -1,0 +1,193 @@
+"""Merging partial attention results: key splits' fp32 partials and log2-sum-exps merged into the output
+by the last block of a split launch to finish (``last_to_finish``, ``split_merger``) or by a kernel of
+their own (``combine_kernel``), and two states over disjoint key sets (``merge_kernel``,
+``numattn.merge_states``). The decode, attention and MLA kernels share them."""
+
+import functools
+import math
+
+import numpy as np
+from numba import float32, uint64
+
+from .._cuda import cuda
+from .constants import LN2_F32, LOG2E_F32
+from .ptx import ex2_approx, load_l2_f32, load_l2_f32x4
+from .tiles import NARROW, WIDEN
+
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+MERGE_THREADS = 128  # threads of a merge_kernel block
+
+MAX_SPLITS = 64  # key splits per row at most
+MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
+
+
+@cuda.jit(device=True, forceinline=True)
+def last_to_finish(counters, counter_row, counter_col, tickets):
+    """Whether the calling block is the last of the ``tickets`` blocks that share
+    ``counters[counter_row, counter_col]`` to get here (call once, from every thread). The counter
+    starts at 0; the last block sets it back to 0 when it is done (one thread, after its merge:
+    setting it here, before the merge, gave wrong results on the GPU).
+
+    The block's earlier global writes are made visible device-wide before it takes its ticket, so
+    the block that draws the last ticket sees every other block's results: the block barrier orders
+    every thread's writes before thread 0's fence (the order CUDA's cooperative grid barrier uses),
+    and the last block's thread 0 fences again after its ticket, before the barrier that releases
+    the block's reads.
+    """
+    cuda.syncthreads()
+    last = 0
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()
+        if cuda.atomic.add(counters, (counter_row, counter_col), 1) == tickets - 1:
+            cuda.threadfence()
+            last = 1
+    return cuda.syncthreads_or(last) != 0
+
+
+@cuda.jit(device=True, forceinline=True)
+def release_counter(counters, counter_row, counter_col):
+    """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
+    for the next launch (one thread). An atomic exchange, not a store: numba's dead-code elimination
+    may drop a store that is the last use of an array passed down through two inlined device
+    functions (its alias analysis can lose track of the kernel argument), and then every later
+    launch skipped its merge; it never drops a call."""
+    if cuda.threadIdx.x == 0:
+        cuda.atomic.exch(counters, (counter_row, counter_col), 0)
+
+
+@cuda.jit(device=True, forceinline=True)
+def _load_l2_f32_tuple(src, index):
+    """``load_l2_f32`` as a 1-tuple, the shape of ``load_l2_f32x4``'s result."""
+    return (load_l2_f32(src, index),)
+
+
+def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
+    """Device function ``merge_splits(o_part, lse_part, o, lse, b, first_head, first_row, n_rows)``:
+    the output (and natural-log LSE) of ``n_rows`` rows from every split's fp32 partial output
+    and log2-sum-exp; every thread of the block takes part.
+
+    Row ``r`` is query head ``first_head + (first_row + r) // seqlen_q``, new token
+    ``(first_row + r) % seqlen_q`` (the rows of a KV head's group of query heads, ``seqlen_q``
+    tokens each), or with ``seqlen_q`` None head ``first_head``, query row
+    ``first_row + r`` (a tile of one head's rows).
+
+    Each thread merges four adjacent outputs of a row on its own (one 16-byte load per
+    split where the head dim is a multiple of 4, else one output): an online softmax
+    over the splits' log2-sum-exps, ``MERGE_SPLITS`` splits per round with every load
+    of the round (log-sum-exps and partials) in flight at once. A split's NaN log-sum-exp (it
+    saw a NaN score) makes the row NaN, output and LSE. Indices are unsigned:
+    numba then emits neither negative-index wrapping nor floor-division fix-ups, which
+    keeps this once-per-block code short (its instructions are fetched cold).
+    """
+    U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
+    WRITE_LSE, ONE_HEAD = write_lse, seqlen_q is None
+    SQ = U(1 if ONE_HEAD else seqlen_q)
+    SPLITS, ONE = U(MERGE_SPLITS), U(1)
+    QUAD = 4 if head_dim_v % 4 == 0 else 1  # outputs per load: one 16-byte load where a row holds whole quads
+    QUADS_PER_ROW, QUAD_COLS = U(head_dim_v // QUAD), U(QUAD)
+    load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, forceinline=True)
+    def row_head(first_head, first_row, r):
+        if ONE_HEAD:
+            return first_head, first_row + r
+        return first_head + (first_row + r) // SQ, (first_row + r) % SQ
+
+    @cuda.jit(device=True, forceinline=True)
+    def merge_splits(o_part, lse_part, o, lse, b, head0, row0, rows_here):
+        ub, first_head, first_row, n_rows = uint64(b), uint64(head0), uint64(row0), uint64(rows_here)
+        tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
+        splits = uint64(lse_part.shape[3])
+        logs = cuda.local.array(MERGE_SPLITS, float32)
+        values = cuda.local.array((MERGE_SPLITS, QUAD), float32)
+        acc = cuda.local.array(QUAD, float32)
+        for quad in range(tid, n_rows * QUADS_PER_ROW, step):
+            r, col = quad // QUADS_PER_ROW, quad % QUADS_PER_ROW * QUAD_COLS
+            h, i = row_head(first_head, first_row, r)
+            m, total = _NEG_INF, _ZERO
+            for c in range(QUAD):
+                acc[c] = _ZERO
+            for s0 in range(U(0), splits, SPLITS):
+                # through L2: other blocks of this launch wrote them; past the last split, loads repeat
+                # it and its log-sum-exp becomes -inf (weight 0)
+                for u in range(MERGE_SPLITS):
+                    split = min(s0 + uint64(u), splits - ONE)
+                    log = load_l2_f32(lse_part, (ub, h, i, split))
+                    logs[u] = log if s0 + uint64(u) < splits else _NEG_INF
+                    loaded = load_quad(o_part, (ub, h, i, split, col))
+                    for c in range(QUAD):
+                        values[u, c] = loaded[c]
+                m_round = m
+                for u in range(MERGE_SPLITS):
+                    m_round = max(m_round, logs[u])
+                # no split so far saw a key: weights exp2(-inf - 0) = 0 (and a NaN stays NaN)
+                m_ref = m_round if m_round != _NEG_INF else _ZERO
+                rescale = ex2_approx(m - m_ref)
+                total *= rescale
+                for c in range(QUAD):
+                    acc[c] *= rescale
+                for u in range(MERGE_SPLITS):
+                    weight = ex2_approx(logs[u] - m_ref)
+                    total += weight
+                    for c in range(QUAD):
+                        acc[c] += weight * values[u, c]
+                m = m_round
+            scale = np.float32(1.0) / total if total != _ZERO else _ZERO
+            for c in range(QUAD):
+                o[ub, h, i, col + uint64(c)] = narrow(acc[c] * scale)
+            if WRITE_LSE and col == 0:
+                lse[ub, h, i] = (m + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
+
+    return merge_splits
+
+
+@functools.lru_cache(maxsize=None)
+def combine_kernel(dtype, head_dim_v, group, seqlen_q, rows, write_lse):
+    """Numba kernel ``kernel(o_part, lse_part, o, lse)``: merge the splits that other kernels wrote.
+
+    o_part ``[B, Hq, Sq, S, Dv]`` and lse_part ``[B, Hq, Sq, S]`` (log2 domain,
+    ``S <= MAX_SPLITS``); o ``[B, Hq, Sq, Dv]`` storage dtype, lse natural log.
+    Grid ``(Hkv · cdiv(group · Sq, rows), B)`` of any number of threads, a
+    block per chunk of ``rows`` rows of a KV head's group. (The decode kernels
+    merge their own splits in their last block.)
+    """
+    ROW_CHUNKS = -(-(group * seqlen_q) // rows)
+    merge_splits = split_merger(dtype, head_dim_v, seqlen_q, write_lse)
+
+    def kernel(o_part, lse_part, o, lse):
+        h_kv, row0 = cuda.blockIdx.x // ROW_CHUNKS, (cuda.blockIdx.x % ROW_CHUNKS) * rows
+        merge_splits(o_part, lse_part, o, lse, cuda.blockIdx.y, h_kv * group, row0,
+                     min(rows, group * seqlen_q - row0))
+
+    return cuda.jit(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def merge_kernel(dtype, head_dim_v):
+    """Numba kernel ``kernel(o_a, lse_a, o_b, lse_b, o, lse)``: attention over the union of two disjoint key sets.
+
+    Rows flattened: o_* ``[rows, Dv]`` storage dtype, lse_* ``[rows]`` float32
+    natural log (``-inf`` for a state that saw no key). One block of ``MERGE_THREADS`` per row. A NaN or
+    ``+inf`` LSE gives the row NaN (its weights are NaN), as in ``split_merger``.
+    """
+    DV = head_dim_v
+    widen, narrow = WIDEN[dtype], NARROW[dtype]
+
+    def kernel(o_a, lse_a, o_b, lse_b, o, lse):
+        row = cuda.blockIdx.x
+        la, lb = lse_a[row] * LOG2E_F32, lse_b[row] * LOG2E_F32
+        m_all = max(la, lb)
+        m_ref = m_all if m_all != _NEG_INF else _ZERO  # both -inf: weights exp2(-inf) = 0
+        wa, wb = ex2_approx(la - m_ref), ex2_approx(lb - m_ref)
+        total = wa + wb
+        for col in range(cuda.threadIdx.x, DV, MERGE_THREADS):
+            value = _ZERO
+            if total != _ZERO:  # else neither state saw a key
+                value = (widen(o_a[row, col]) * wa + widen(o_b[row, col]) * wb) / total
+            o[row, col] = narrow(value)
+        if cuda.threadIdx.x == 0:
+            lse[row] = (m_all + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
+
+    return cuda.jit(kernel)
