@@ -72,10 +72,10 @@ def _launch(kernel, label, grid, threads, shared_bytes, arrays, scalars, stream)
 def _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, device):
     """The prepared launch of ``kernel`` on arrays of ``layout`` (torch dtype, shape, strides of each) and
     ``scalars``, built once per training shape rather than on every backward call."""
-    dtypes = [storage_dtype(name.removeprefix("torch.")) for name, _, _ in layout]
-    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, (_, shape, _) in zip(dtypes, layout, strict=True))
+    arrays = [(storage_dtype(name.removeprefix("torch.")), shape, strides) for name, shape, strides in layout]
+    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, shape, _ in arrays)
     launcher = compiled(kernel, argtypes + (types.float32,) * len(scalars), device, shared_bytes, label)
-    fields, slots = array_fields([(shape, strides, d.itemsize) for d, (_, shape, strides) in zip(dtypes, layout, strict=True)])
+    fields, slots = array_fields([(shape, strides, d.itemsize) for d, shape, strides in arrays])
     return launcher.prepare(grid, threads, fields + list(scalars), slots)
 
 

@@ -590,7 +590,8 @@ class _HostPlan(_Plan):
             op = replace(a.op, kind="numba", device=device, ptr=0, strides=contiguous_strides(x.shape))
             return _Array(op, x.shape, op.strides)
 
-        fields = {name: moved(getattr(p, name), x) for name, x in zip(("q", "k", "v", "page_table", "seqlens"), arrays, strict=True)
+        names = ("q", "k", "v", "page_table", "seqlens")
+        fields = {name: moved(getattr(p, name), x) for name, x in zip(names, arrays, strict=True)
                   if x is not None}
         plan = _CaiPlan(replace(p, device=device, **fields), self.splits)
         result = plan(*arrays)
