@@ -40,7 +40,7 @@ def report(ptx):
         "atomics": sorted(set(re.findall(r"\batom\.[\w.]+", ptx))),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
         "mnemonics": sorted(
-            set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence)\.[\w.:]+)", ptx, re.M))
+            set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence|barrier\.cluster|mapa|ld\.shared::cluster)\.[\w.:]+)", ptx, re.M))
         ),
     }
 
@@ -72,6 +72,11 @@ def main():
         "split-mma-attention": (mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False,
                                                      False, True), SPLIT_SIGNATURE),
     }
+    # key splits merged through distributed shared memory by a cluster of a query tile's blocks
+    clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
+                                     split=True, cluster_merge=True)
+    ptx, _ = cuda.compile_ptx(clustered.py_func, SPLIT_SIGNATURE, cc=(9, 0))
+    results["cluster-mma-attention"] = report(ptx)
     for name, (kernel, signature) in split_kernels.items():
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
         results[name] = report(ptx)

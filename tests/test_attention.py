@@ -268,3 +268,31 @@ def test_simulated_calls_from_threads(rng):
     for (q, k, v), o in zip(cases, results, strict=True):
         assert max_error(o, reference.attention(q, k, v, causal=True)) < ATOL["float32"]
     assert sys.getswitchinterval() == interval
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cluster_merge_stages_and_merges_a_tile(rng, causal):
+    """The key-split kernel's cluster merge (sm_90) in the simulator's cluster of one block: each block stages
+    its partials in shared memory and merges its tile's rows from there (40 rows: the second 32-row tile
+    is part padding). The GPU tests run clusters of 2 to 8 blocks."""
+    from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+    from numattn.kernels.constants import LOG2E
+    from numattn.kernels.launch import compiled
+    from numattn.kernels.split_merge import cluster_stage_bytes
+
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 40, 37, 32, 16), "float16")
+    config = MmaConfig(block_n=16, num_warps=2)
+    kernel = mma_attention_kernel(config, "float16", 32, 16, causal, True, split=True, cluster_merge=True)
+    shared = max(config.shared_bytes(32, 16), cluster_stage_bytes(config.block_m, 16))
+    o = np.full((1, 2, 40, 16), np.nan, np.float16)
+    lse = np.full((1, 2, 40), np.nan, np.float32)
+    unused = (np.zeros((1, 1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1), np.int32))
+    grid = (-(-40 // config.block_m) * 2, 1)
+    compiled(kernel, None, 0, shared, "cluster merge").launch_arrays(
+        grid, config.num_threads, *(x.view(np.uint16) for x in (q, k, v)), o.view(np.uint16), lse, *unused,
+        np.float32(0.3 * LOG2E))
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["float16"]
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), finite)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4)

@@ -1,5 +1,7 @@
 """numattn.attention on a real GPU at realistic sizes: torch CUDA tensors, streams, other libraries."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,46 @@ def test_against_float64_and_sdpa(rng, dtype, causal, shape):
         sdpa_error = max_error(sdpa_reference(q, k, v, causal), ref_o)
         ulp = float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
         assert max_error(o, ref_o) <= 2 * sdpa_error + ulp + 1e-6
+
+
+def _clusters_if(wanted, rule, blocks, splits, device):
+    """``rule`` (``attention._cluster_merges``) for a grid of any size where ``wanted``, else no cluster."""
+    return wanted and rule(0, splits, device)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, causal, transposed):
+    """The mma.sync kernel over 1 to 16 runs of keys, merged in thread-block clusters (2 to 8 runs, sm_90) and
+    by each query tile's last block; 150 query rows end mid-tile, 419 keys mid-run; the output is
+    poisoned first."""
+    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.ops.attention import _attention_kernel, _make_plan, _validate
+
+    q = torch.from_numpy(rng.standard_normal((2, 4, 150, 64), dtype=np.float32)).to("cuda", torch.float16)
+    shape = (2, 2, 64, 424) if transposed else (2, 2, 420, 64)
+    k = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", torch.float16)
+    k = k.transpose(2, 3)[:, :, :419] if transposed else k[:, :, :419]
+    v = torch.from_numpy(rng.standard_normal((2, 2, 419, 64), dtype=np.float32)).to("cuda", torch.float16)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.125, return_lse=True)
+    from numattn.ops import attention as attention_module
+
+    sm90 = torch.cuda.get_device_capability() >= (9, 0)
+    config = MmaConfig(64, 4, 1 if causal else 2, True)  # query tiles of 64 and 128 rows
+    for splits in (1, 2, 3, 4, 7, 8, 16):
+        for clusters in (False, True):
+            with monkeypatch.context() as patch:
+                rule = functools.partial(_clusters_if, clusters and sm90, attention_module._cluster_merges)
+                patch.setattr(attention_module, "_cluster_merges", rule)
+                problem = _validate(q, k, v, None, causal, 0.125, "bhsd", True)
+                clustered = _attention_kernel(problem, 0, config, splits).cluster is not None
+                assert clustered == (clusters and sm90 and 2 <= splits <= 8)
+                out = torch.full((2, 4, 150, 64), float("nan"), dtype=torch.float16, device="cuda")
+                o, lse = _make_plan(problem, config, splits)(q, k, v, out)
+            assert max_error(o, ref_o) <= ATOL["float16"], (config, splits, clusters)
+            finite = np.isfinite(ref_lse)
+            assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
+            assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4, (config, splits, clusters)
 
 
 def test_bshd_and_strided_views(rng):

@@ -33,6 +33,7 @@ from numba import float32, uint16, uint32
 from .._cuda import cuda
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
+    cluster_sync,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
@@ -43,7 +44,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
 )
-from .split_merge import last_to_finish, release_counter, split_merger
+from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
 from .tiles import query_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -149,7 +150,8 @@ def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, split=False, k_transposed=False):
+def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, split=False, k_transposed=False,
+                         cluster_merge=False):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
@@ -163,6 +165,12 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     ``lse_part [B, Hq, Sq, S]`` (log2 domain); the last of a query tile's S blocks
     to finish (``counters [1, cdiv(Sq, block_m) · B · Hq]`` int32, zero at launch
     and left zero) merges them into ``o`` and ``lse``.
+
+    With ``cluster_merge`` as well (sm_90; launch with clusters of ``(1, S, 1)`` blocks, S at most
+    ``CLUSTER_SPLITS``, and at least ``cluster_stage_bytes(block_m, Dv)`` bytes of shared memory) a
+    query tile's S blocks stage their partials in shared memory and merge them together through
+    distributed shared memory, each block a share of the rows; ``o_part``, ``lse_part`` and
+    ``counters`` are not touched.
     """
     BLOCK_M, BLOCK_N, NUM_THREADS = config.block_m, config.block_n, config.num_threads
     WARP_M, Q_IN_REGISTERS = config.warp_m, config.q_in_registers
@@ -183,12 +191,14 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     IN_FLIGHT = STAGES - 1  # key tiles being copied while one is computed on
     V_OFF = K_OFF + STAGES * K_STAGE
     V_STAGE = BLOCK_N * V_ROW
-    CAUSAL, WRITE_LSE, SPLIT = causal, write_lse, split
+    CAUSAL, WRITE_LSE, SPLIT, CLUSTER = causal, write_lse, split, split and cluster_merge
+    STAGE_COLS = cluster_stage_cols(DV)
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
-    store_partial = partial_store(WARP_M, DTILES)
+    store_partial = partial_store(WARP_M, DTILES, staged=CLUSTER)
     merge_splits = split_merger(dtype, DV, None, write_lse)
+    merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
 
@@ -327,7 +337,15 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                         mma_into(acc, mt, 2 * dp + 1, a0, a1, a2, a3, b2, b3)
             cuda.syncthreads()  # this stage is refilled by the next iteration's prefetch
 
-        if SPLIT:
+        if CLUSTER:  # the loop's last barrier has freed the shared memory
+            stage = cuda.shared.array(0, float32)
+            o_s = tile_view(stage, 0, BLOCK_M, STAGE_COLS)
+            lse_s = tile_view(stage, BLOCK_M * STAGE_COLS, 1, BLOCK_M)
+            store_partial(o_s, lse_s, acc, m_i, l_i, b, h, warp_row0, BLOCK_M, 0, g, t)
+            cluster_sync()
+            merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, cuda.gridDim.y, cuda.blockIdx.y)
+            cluster_sync()  # no block leaves while another reads its shared memory
+        elif SPLIT:
             store_partial(o_part, lse_part, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
             if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
                 merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))

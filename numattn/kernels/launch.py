@@ -161,16 +161,31 @@ class CompiledKernel:
             )
         LOADED.append(self)
 
-    def prepare(self, grid, block, fields, pointer_slots):
-        """A ``PreparedLaunch`` of this kernel with the given flattened arguments."""
-        return PreparedLaunch(self, grid, block, fields, pointer_slots)
+    def prepare(self, grid, block, fields, pointer_slots, cluster=None):
+        """A ``PreparedLaunch`` of this kernel with the given flattened arguments (``cluster``: the shape of
+        its thread-block clusters, or None)."""
+        return PreparedLaunch(self, grid, block, fields, pointer_slots, cluster)
 
 
 class _LaunchConfig(ctypes.Structure):
-    """The driver's ``CUlaunchConfig``: grid, block, dynamic shared memory, stream, no attributes."""
+    """The driver's ``CUlaunchConfig``: grid, block, dynamic shared memory, stream, launch attributes."""
 
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attributes", ctypes.c_void_p), ("attribute_count", ctypes.c_uint)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """The driver's ``CUlaunchAttribute``: an attribute id, then its value (a 64-byte union)."""
+
+    _fields_ = [("id", ctypes.c_uint), ("padding", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
+
+
+def _cluster_attribute(cluster):
+    """A launch attribute giving thread-block clusters of shape ``cluster`` (x, y, z)."""
+    attribute = _LaunchAttribute()
+    attribute.id = int(_driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+    attribute.value[:3] = cluster
+    return attribute
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,8 +220,8 @@ class PreparedLaunch:
     arguments need not be adjacent).
     """
 
-    def __init__(self, kernel, grid, block, fields, pointer_slots):
-        self.kernel, self.grid, self.block = kernel, grid, block
+    def __init__(self, kernel, grid, block, fields, pointer_slots, cluster=None):
+        self.kernel, self.grid, self.block, self.cluster = kernel, grid, block, cluster
         self._values = np.zeros(len(fields), dtype=np.uint64)
         as_f32 = self._values.view(np.float32)
         for i, field in enumerate(fields):
@@ -223,6 +238,9 @@ class PreparedLaunch:
         self._lock = threading.Lock()  # without a GIL: the pointers and the stream are shared, fill and launch as one step
         extents = (grid,) if isinstance(grid, int) else tuple(grid)
         self._config = _LaunchConfig(extents + (1,) * (3 - len(extents)), (block, 1, 1), kernel.shared_bytes)
+        if cluster is not None:
+            self._attribute = _cluster_attribute(cluster)  # kept alive with the config that points to it
+            self._config.attributes, self._config.attribute_count = ctypes.addressof(self._attribute), 1
         self._config_address = ctypes.addressof(self._config)
         self._stream = 0
         self._function = int(kernel.function)

@@ -17,7 +17,7 @@ from numba import float32
 
 from .._cuda import cuda
 from .constants import LN2_F32
-from .ptx import ballot, ex2_approx, pack_bf16x2, pack_f16x2, shfl_xor_f32
+from .ptx import ballot, ex2_approx, pack_bf16x2, pack_f16x2, shfl_xor_f32, st_shared_v2_f32
 from .tiles import NARROW
 
 _NEG_INF = np.float32(-np.inf)
@@ -177,12 +177,16 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
 
 
 @functools.lru_cache(maxsize=None)
-def partial_store(warp_m, dtiles):
+def partial_store(warp_m, dtiles, staged=False):
     """Device function ``store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t)``:
     a split's result for rows below ``seqlen_q``: ``acc / l`` into ``o_part[b, h, row, split]`` (float32)
     and the log2-domain ``m + log2(l)`` into ``lse_part[b, h, row, split]`` (-inf where the split saw no key,
-    NaN where it saw a NaN score, as in ``normalize``)."""
-    WARP_M, DTILES = warp_m, dtiles
+    NaN where it saw a NaN score, as in ``normalize``).
+
+    ``staged``: into shared float32 tiles for a cluster's merge instead, ``o_part[row]`` and
+    ``lse_part[0, row]`` (``row`` counted from 0 at the block's first row; ``b``, ``h``, ``split`` unused),
+    rows 8-byte aligned."""
+    WARP_M, DTILES, STAGED = warp_m, dtiles, staged
 
     @cuda.jit(device=True, forceinline=True)
     def store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, split, g, t):
@@ -192,13 +196,20 @@ def partial_store(warp_m, dtiles):
                 l_sum = quad_sum(l_i[r])
                 inv_l = _ONE / l_sum if l_sum != _ZERO else _ZERO
                 row = row0 + 16 * mt + g + 8 * half
-                if row < seqlen_q:
+                log = m_i[r] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
+                if STAGED:
+                    for dt in range(DTILES):
+                        st_shared_v2_f32(o_part, row, 8 * dt + 2 * t, acc[mt, dt, 2 * half] * inv_l,
+                                         acc[mt, dt, 2 * half + 1] * inv_l)
+                    if t == 0:
+                        lse_part[0, row] = log
+                elif row < seqlen_q:
                     for dt in range(DTILES):
                         col = 8 * dt + 2 * t
                         o_part[b, h, row, split, col] = acc[mt, dt, 2 * half] * inv_l
                         o_part[b, h, row, split, col + 1] = acc[mt, dt, 2 * half + 1] * inv_l
                     if t == 0:
-                        lse_part[b, h, row, split] = m_i[r] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
+                        lse_part[b, h, row, split] = log
 
     return store_partial
 

@@ -11,7 +11,7 @@ from numba import float32, uint64
 
 from .._cuda import cuda
 from .constants import LN2_F32, LOG2E_F32
-from .ptx import ex2_approx, load_l2_f32, load_l2_f32x4
+from .ptx import ex2_approx, ld_cluster_f32, ld_cluster_f32x4, load_l2_f32, load_l2_f32x4
 from .tiles import NARROW, WIDEN
 
 _NEG_INF = np.float32(-np.inf)
@@ -20,6 +20,8 @@ MERGE_THREADS = 128  # threads of a merge_kernel block
 
 MAX_SPLITS = 64  # key splits per row at most
 MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
+CLUSTER_SPLITS = 8  # key splits a cluster merges at most: the portable cluster size
+_STAGE_PAD = 8  # floats added to a staged row: a warp's 8-byte stores of accumulator pairs miss no bank twice
 
 
 @cuda.jit(device=True, forceinline=True)
@@ -62,6 +64,50 @@ def _load_l2_f32_tuple(src, index):
     return (load_l2_f32(src, index),)
 
 
+@functools.lru_cache(maxsize=None)
+def split_folding(splits, quad, dtype, write_lse):
+    """Device functions ``(fold, finish)`` of a merge over splits, ``quad`` adjacent outputs of a row at a time.
+
+    ``fold(logs, values, m, total, acc) -> (m, total)`` folds ``splits`` splits' log2-sum-exps
+    ``logs[u]`` and partial outputs ``values[u, :quad]`` (``-inf`` for a split that saw no key or is
+    not there: weight 0) into the running merge: the reference max ``m``, the sum of the splits'
+    weights ``total`` and the weighted sum ``acc[:quad]``. A NaN log-sum-exp makes the row NaN.
+    ``finish(o, lse, b, h, i, col, acc, m, total)`` writes ``o[b, h, i, col : col + quad]`` and,
+    with ``write_lse``, at ``col == 0`` the natural-log ``lse[b, h, i]``; ``col`` is a ``uint64`` (numba
+    would widen a sum of signed and unsigned 64-bit integers to float).
+    """
+    SPLITS, QUAD, WRITE_LSE = splits, quad, write_lse
+    narrow = NARROW[dtype]
+
+    @cuda.jit(device=True, forceinline=True)
+    def fold(logs, values, m, total, acc):
+        m_round = m
+        for u in range(SPLITS):
+            m_round = max(m_round, logs[u])
+        # no split so far saw a key: weights exp2(-inf - 0) = 0 (and a NaN stays NaN)
+        m_ref = m_round if m_round != _NEG_INF else _ZERO
+        rescale = ex2_approx(m - m_ref)
+        total *= rescale
+        for c in range(QUAD):
+            acc[c] *= rescale
+        for u in range(SPLITS):
+            weight = ex2_approx(logs[u] - m_ref)
+            total += weight
+            for c in range(QUAD):
+                acc[c] += weight * values[u, c]
+        return m_round, total
+
+    @cuda.jit(device=True, forceinline=True)
+    def finish(o, lse, b, h, i, col, acc, m, total):
+        scale = np.float32(1.0) / total if total != _ZERO else _ZERO
+        for c in range(QUAD):
+            o[b, h, i, col + uint64(c)] = narrow(acc[c] * scale)
+        if WRITE_LSE and col == 0:
+            lse[b, h, i] = (m + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
+
+    return fold, finish
+
+
 def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     """Device function ``merge_splits(o_part, lse_part, o, lse, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows`` rows from every split's fp32 partial output
@@ -81,13 +127,13 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     keeps this once-per-block code short (its instructions are fetched cold).
     """
     U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
-    WRITE_LSE, ONE_HEAD = write_lse, seqlen_q is None
+    ONE_HEAD = seqlen_q is None
     SQ = U(1 if ONE_HEAD else seqlen_q)
     SPLITS, ONE = U(MERGE_SPLITS), U(1)
     QUAD = 4 if head_dim_v % 4 == 0 else 1  # outputs per load: one 16-byte load where a row holds whole quads
     QUADS_PER_ROW, QUAD_COLS = U(head_dim_v // QUAD), U(QUAD)
     load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
-    narrow = NARROW[dtype]
+    fold, finish = split_folding(MERGE_SPLITS, QUAD, dtype, write_lse)
 
     @cuda.jit(device=True, forceinline=True)
     def row_head(first_head, first_row, r):
@@ -119,28 +165,65 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
                     loaded = load_quad(o_part, (ub, h, i, split, col))
                     for c in range(QUAD):
                         values[u, c] = loaded[c]
-                m_round = m
-                for u in range(MERGE_SPLITS):
-                    m_round = max(m_round, logs[u])
-                # no split so far saw a key: weights exp2(-inf - 0) = 0 (and a NaN stays NaN)
-                m_ref = m_round if m_round != _NEG_INF else _ZERO
-                rescale = ex2_approx(m - m_ref)
-                total *= rescale
-                for c in range(QUAD):
-                    acc[c] *= rescale
-                for u in range(MERGE_SPLITS):
-                    weight = ex2_approx(logs[u] - m_ref)
-                    total += weight
-                    for c in range(QUAD):
-                        acc[c] += weight * values[u, c]
-                m = m_round
-            scale = np.float32(1.0) / total if total != _ZERO else _ZERO
-            for c in range(QUAD):
-                o[ub, h, i, col + uint64(c)] = narrow(acc[c] * scale)
-            if WRITE_LSE and col == 0:
-                lse[ub, h, i] = (m + math.log2(total)) * LN2_F32 if total != _ZERO else _NEG_INF
+                m, total = fold(logs, values, m, total, acc)
+            finish(o, lse, ub, h, i, col, acc, m, total)
 
     return merge_splits
+
+
+def cluster_stage_cols(head_dim_v):
+    """Columns of the float32 tile ``[block_m, cols]`` in which a block stages its split's partial output
+    for a cluster merge (its log2-sum-exps follow in a ``[1, block_m]`` tile)."""
+    return head_dim_v + _STAGE_PAD
+
+
+def cluster_stage_bytes(block_m, head_dim_v):
+    """Shared-memory bytes of a block's staged partials for a cluster merge."""
+    return 4 * block_m * (cluster_stage_cols(head_dim_v) + 1)
+
+
+def cluster_merger(dtype, head_dim_v, block_m, write_lse):
+    """Device function ``merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, splits, rank)``: a query
+    tile's key splits merged through distributed shared memory.
+
+    Each of the cluster's ``splits`` blocks (``splits <= CLUSTER_SPLITS``) has staged its split's
+    partial output (float32, normalized within the split) of the tile's ``block_m`` rows in
+    ``o_s[row, :head_dim_v]`` and their log2-sum-exps in ``lse_s[0, row]``, at the same shared-memory
+    offsets. Block ``rank`` merges its share of the rows (a ``cdiv(block_m, splits)``-row chunk)
+    below ``seqlen_q`` of query rows ``m0 ..`` of head ``h`` into ``o`` (and the natural-log ``lse``),
+    reading every block's tiles. Call it between two ``cluster_sync``: after every block has staged,
+    before any block leaves. Needs ``head_dim_v % 4 == 0``.
+    """
+    U = np.uint64  # unsigned indices, as in split_merger
+    BLOCK_M, QUADS_PER_ROW, FOUR, ONE = U(block_m), U(head_dim_v // 4), U(4), U(1)
+    fold, finish = split_folding(CLUSTER_SPLITS, 4, dtype, write_lse)
+
+    @cuda.jit(device=True, forceinline=True)
+    def merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, splits, rank):
+        ub, uh, um0, n_splits = uint64(b), uint64(h), uint64(m0), uint64(splits)
+        per_block = (BLOCK_M + n_splits - ONE) // n_splits
+        first = uint64(rank) * per_block
+        valid = min(BLOCK_M, uint64(seqlen_q) - um0)  # rows of the tile below seqlen_q
+        n_rows = min(per_block, valid - first) if first < valid else U(0)
+        logs = cuda.local.array(CLUSTER_SPLITS, float32)
+        values = cuda.local.array((CLUSTER_SPLITS, 4), float32)
+        acc = cuda.local.array(4, float32)
+        for item in range(uint64(cuda.threadIdx.x), n_rows * QUADS_PER_ROW, uint64(cuda.blockDim.x)):
+            r, col = first + item // QUADS_PER_ROW, item % QUADS_PER_ROW * FOUR
+            # past the last split the loads repeat it and its log-sum-exp becomes -inf (weight 0)
+            for u in range(CLUSTER_SPLITS):
+                split = min(uint64(u), n_splits - ONE)
+                log = ld_cluster_f32(lse_s, U(0), r, split)
+                logs[u] = log if uint64(u) < n_splits else _NEG_INF
+                loaded = ld_cluster_f32x4(o_s, r, col, split)
+                for c in range(4):
+                    values[u, c] = loaded[c]
+            for c in range(4):
+                acc[c] = _ZERO
+            m, total = fold(logs, values, _NEG_INF, _ZERO, acc)
+            finish(o, lse, ub, uh, um0 + r, col, acc, m, total)
+
+    return merge_cluster
 
 
 @functools.lru_cache(maxsize=None)

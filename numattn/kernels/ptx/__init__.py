@@ -18,8 +18,8 @@ result, following the fragment layouts of the PTX ISA. Lane ``l`` of a warp has
 The primitives are grouped by instruction family: ``convert`` (fp32 and 16-bit conversions,
 packing), ``warp`` (ex2, shuffles, ballot), ``mma`` (``mma.sync``, ``ldmatrix``, ``stmatrix``),
 ``copies`` (``cp.async``, global loads, bulk reductions, shared stores), ``wgmma`` (warpgroup
-multiply-accumulate and its fences), ``barriers`` (mbarriers, named barriers); ``_core`` holds what
-they share. Every public name is importable from ``numattn.kernels.ptx``.
+multiply-accumulate and its fences), ``barriers`` (mbarriers, named barriers), ``cluster`` (the
+cluster barrier, loads from another block's shared memory); ``_core`` holds what they share. Every public name is importable from ``numattn.kernels.ptx``.
 """
 
 from ._core import WARP_SIZE  # noqa: F401
@@ -31,6 +31,7 @@ from .barriers import (  # noqa: F401
     mbarrier_init,
     mbarrier_try_wait,
 )
+from .cluster import cluster_sync, ld_cluster_f32, ld_cluster_f32x4  # noqa: F401
 from .convert import (  # noqa: F401
     cvt_f32_bf16,
     cvt_f32_f16,
