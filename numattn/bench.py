@@ -668,6 +668,29 @@ def bench_cold_start(cases=tuple(COLD_START_CASES)):
     return rows
 
 
+def run_facts(torch):
+    """What a stored result needs beside its numbers: the date, the command, numattn's version and the
+    source revision it ran (``git describe`` where the package sits in a git checkout), the versions of
+    torch, CUDA, numba and numba-cuda."""
+    import datetime
+    import subprocess
+    import sys
+    from importlib import metadata
+    from pathlib import Path
+
+    import numattn
+
+    try:
+        revision = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(numattn.__file__).parent,
+                                  capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        revision = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([Path(sys.executable).name, "-m", "numattn", *sys.argv[1:]]),
+            "numattn": numattn.__version__, "revision": revision, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "numba": metadata.version("numba"), "numba-cuda": metadata.version("numba-cuda")}
+
+
 def main(args):
     torch = _torch()
     import numattn
@@ -675,7 +698,7 @@ def main(args):
 
     device = device_limits(torch.cuda.current_device())
     print(f"numattn {numattn.__version__}, torch {torch.__version__}, {device['name']} (sm_{device['cc'][0]}{device['cc'][1]})")
-    results = {"device": device}
+    results = {"device": device, "run": run_facts(torch)}
     if not args.only:
         peak = matmul_peak_tflops()
         print(f"bf16 matmul 8192³ (tensor-core reference): {peak:.1f} TFLOP/s")
