@@ -11,12 +11,18 @@ import torch
 
 from .ops.attention import attention as _attention
 from .ops.attention import softmax_scale
-from .ops.backward import attention_backward
+from .ops.backward import attention_backward, compile_backward_ahead
+
+_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale):
+        dtype = str(q.dtype).removeprefix("torch.")
+        if any(ctx.needs_input_grad[:3]) and q.is_cuda and dtype in _DTYPES and q.dim() == v.dim() == 4:
+            # the backward's kernels compile in a worker process while this process compiles the forward's
+            compile_backward_ahead(dtype, q.shape[-1], v.shape[-1], bool(causal), q.device.index)
         o, lse = _attention(q, k, v, causal=causal, scale=scale, return_lse=True)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, softmax_scale(scale, q.shape[-1])

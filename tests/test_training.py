@@ -4,6 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import numattn  # noqa: E402
 import numattn.torch as nt  # noqa: E402
 
 GRAD_ATOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
@@ -168,3 +169,53 @@ def test_example_transformer_trains_like_the_sdpa_model():
     theirs.load_state_dict(copy.deepcopy(ours.state_dict()))
     runs = [example.train(m, 2, 2, 6, 16, 1e-3, 0, torch.device("cpu"), torch.float32) for m in (ours, theirs)]
     assert runs[0] == pytest.approx(runs[1], rel=1e-4)
+
+
+def test_backward_kernel_specs_type_the_tensors_it_launches_on(monkeypatch):
+    """The argument types a backward kernel is compiled ahead for (``_backward_specs``) are those of the
+    tensors the backward then launches it on, on tensor cores and on CUDA cores: otherwise the kernel
+    compiled ahead would sit in the cache under another key."""
+    import numba
+    from numba import types
+
+    from numattn._arrays import storage_dtype
+    from numattn.ops import backward as backward_module
+
+    launched = []
+    launch = backward_module._launch
+
+    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream):
+        launched.append((spec, arrays, scalars))
+        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream)
+
+    monkeypatch.setattr(backward_module, "_launch", recording)
+    device = "cpu" if numattn.SIMULATOR else "cuda"  # host tensors run the kernels in the simulator
+    for dtype, head_dim in ((torch.float16, 16), (torch.float32, 16)):  # tensor cores, CUDA cores
+        q, k, v = (leaf(s, dtype, device) for s in [(1, 2, 5, head_dim), (1, 1, 7, head_dim), (1, 1, 7, head_dim)])
+        nt.attention(q, k, v, causal=True).sum().backward()
+    assert {spec.args[0] for spec, _, _ in launched} == {"rows", "tiles", "dq", "dkdv"}
+    for spec, arrays, scalars in launched:
+        typed = tuple(types.Array(numba.from_dtype(storage_dtype(str(x.dtype).removeprefix("torch."))), x.dim(), "A")
+                      for x in arrays)
+        assert spec.argtypes == typed + (types.float32,) * len(scalars), spec.label
+
+
+@pytest.mark.gpu
+def test_backward_kernels_compiled_ahead_are_the_ones_the_backward_loads(tmp_path, monkeypatch):
+    """A worker process compiles a backward's kernels into an empty cache; the backward then loads both
+    from there and compiles nothing itself."""
+    from numattn.kernels import compile_ahead, launch
+    from numattn.ops import backward as backward_module
+
+    monkeypatch.setenv("NUMATTN_KERNEL_CACHE", str(tmp_path))
+    config = backward_module.backward_config("bfloat16", 128, 128, 0)
+    specs = backward_module._backward_specs("bfloat16", 128, 128, True, config)
+    worker = compile_ahead.compile_ahead(specs.values(), 0)
+    assert worker is not None and worker.wait(timeout=600) == 0
+    assert compile_ahead.compile_ahead(specs.values(), 0) is None  # all cached now
+    compiled_here = []
+    compile_in_process = launch._compile
+    monkeypatch.setattr(launch, "_compile", lambda d, a, label: compiled_here.append(label) or compile_in_process(d, a, label))
+    q, k, v = (leaf(s, torch.bfloat16, "cuda") for s in [(1, 4, 130, 128), (1, 2, 200, 128), (1, 2, 200, 128)])
+    check_gradients(q, k, v, True)
+    assert not [label for label in compiled_here if label.startswith("backward")], compiled_here

@@ -1,5 +1,7 @@
 """asv benchmarks of a process's first calls. ``track_first_call_s``: the first ``numattn.attention``
 in a fresh process with the kernel cache filled and with it off (GPU only; skipped without one).
+``track_first_training_step_s``: the first forward + backward into an empty cache, with the
+backward's kernels compiled ahead in a worker process and without (GPU only).
 ``time_cache_hit``: the host's share of loading one kernel from the cache (its key over the kernel's
 closures and one entry read back and checked), on any machine. ``track_precompile_s``: filling an
 empty cache ahead of time."""
@@ -57,6 +59,31 @@ class FirstCall:
             "first_call_s"]
 
     track_first_call_s.unit = "s"
+
+
+class FirstTrainingStep:
+    timeout = 600
+    number, repeat = 1, 1
+    params = ["ahead", "in turn"]
+    param_names = ["backward compiled"]
+
+    def setup(self, compiled):
+        if numattn.SIMULATOR:
+            raise NotImplementedError("needs a GPU")
+        self.directory = tempfile.mkdtemp()
+
+    def teardown(self, compiled):
+        os.environ.pop("NUMATTN_COMPILE_AHEAD", None)
+        if hasattr(self, "directory"):
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def track_first_training_step_s(self, compiled):
+        from numattn.bench import cold_start_run
+
+        os.environ["NUMATTN_COMPILE_AHEAD"] = "1" if compiled == "ahead" else "0"
+        return cold_start_run("numattn.torch.attention fwd + bwd bf16 D128 GQA", self.directory)["first_call_s"]
+
+    track_first_training_step_s.unit = "s"
 
 
 class Precompile:

@@ -30,6 +30,7 @@ from ..kernels.attention_backward_wgmma import (
     backward_wgmma_supported,
     choose_backward_wgmma_config,
 )
+from ..kernels.compile_ahead import KernelSpec, compile_ahead, enabled
 from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 
@@ -57,25 +58,71 @@ def _copyable_rows(x):
     return x if aligned else x.contiguous()
 
 
-def _launch(kernel, label, grid, threads, shared_bytes, arrays, scalars, stream):
-    """Launch ``kernel(*arrays, *scalars)``: torch tensors (16-bit floats as uint16 storage) and float32 scalars."""
+def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None):
+    """The backward's kernel ``name``: ``"rows"`` (delta and the log2-domain LSE of each query row), ``"dq"``
+    and ``"dkdv"`` (CUDA cores), or ``"tiles"``, the tensor-core kernel of ``config``."""
+    if name == "tiles":
+        return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal)
+    rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal)
+    return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
+
+
+def _backward_specs(dtype, head_dim, head_dim_v, causal, config):
+    """``{name: KernelSpec}`` of the kernels a backward of these operands launches (``config`` None: on CUDA
+    cores): their argument types (each array's storage dtype and rank, then the float32 scalars) are
+    those of the tensors ``attention_backward`` passes."""
+    storage, f32 = storage_dtype(dtype), np.dtype(np.float32)
+    grads = storage if config is not None else f32  # dk and dv: the inputs' dtype on tensor cores
+    what = f"{dtype} d={head_dim}/{head_dim_v} causal={causal}"
+    arrays = {
+        "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
+        "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
+        "dkdv": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] * 2, 1),  # ..., dk, dv
+        "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] + [(grads, 4)] * 2, 2),  # ..., dq, dk, dv
+    }
+    # the slowest to compile first: a worker compiling them ahead starts on the one the backward waits for longest
+    names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows")
+    labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
+              "tiles": f"backward {config} {what}"}
+    return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config),
+                             _argtypes(*arrays[name]), labels[name]) for name in names}
+
+
+def _argtypes(arrays, scalars):
+    """numba argument types of a kernel taking ``arrays`` (numpy storage dtype and rank of each), then
+    ``scalars`` float32 scalars."""
+    return tuple(types.Array(numba.from_dtype(d), ndim, "A") for d, ndim in arrays) + (types.float32,) * scalars
+
+
+@functools.lru_cache(maxsize=64)
+def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device):
+    """Start compiling, in a worker process, the kernels a backward of these operands will launch on GPU
+    ``device`` (``numattn.torch.attention`` calls it before its forward, which compiles meanwhile)."""
+    if enabled():
+        config = backward_config(dtype, head_dim, head_dim_v, device)
+        compile_ahead(_backward_specs(dtype, head_dim, head_dim_v, causal, config).values(), device)
+
+
+def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream):
+    """Launch the kernel of ``spec`` on ``(*arrays, *scalars)``: torch tensors (16-bit floats as uint16
+    storage) and float32 scalars."""
+    kernel = spec.factory(*spec.args)
     if SIMULATOR:
         views = [host_storage(x, describe(x, "array")) for x in arrays]
-        compiled(kernel, None, 0, shared_bytes, label).launch_arrays(grid, threads, *views, *scalars)
+        compiled(kernel, None, 0, shared_bytes, spec.label).launch_arrays(grid, threads, *views, *scalars)
         return
-    layout = tuple((str(x.dtype), tuple(x.shape), x.stride()) for x in arrays)
-    launch = _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
+    layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
+    launch = _prepared(kernel, spec, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
     launch(stream, *(x.data_ptr() for x in arrays))
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(kernel, label, grid, threads, shared_bytes, layout, scalars, device):
-    """The prepared launch of ``kernel`` on arrays of ``layout`` (torch dtype, shape, strides of each) and
-    ``scalars``, built once per training shape rather than on every backward call."""
-    arrays = [(storage_dtype(name.removeprefix("torch.")), shape, strides) for name, shape, strides in layout]
-    argtypes = tuple(types.Array(numba.from_dtype(d), len(shape), "A") for d, shape, _ in arrays)
-    launcher = compiled(kernel, argtypes + (types.float32,) * len(scalars), device, shared_bytes, label)
-    fields, slots = array_fields([(shape, strides, d.itemsize) for d, shape, strides in arrays])
+def _prepared(kernel, spec, grid, threads, shared_bytes, layout, scalars, device):
+    """The prepared launch of ``kernel`` on arrays of ``layout`` (shape and strides of each, their types
+    those of ``spec``) and ``scalars``, built once per training shape rather than on every backward call."""
+    launcher = compiled(kernel, spec.argtypes, device, shared_bytes, spec.label)
+    itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes[:len(layout)]]
+    fields, slots = array_fields([(shape, strides, size) for (shape, strides), size in zip(layout, itemsizes, strict=True)])
     return launcher.prepare(grid, threads, fields + list(scalars), slots)
 
 
@@ -97,30 +144,28 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
     heads_kv, seqlen_kv = k.shape[1:3]
     config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
-    what = f"{dtype} d={head_dim}/{head_dim_v} causal={bool(causal)}"
+    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config)
 
     # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
     rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
     delta = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(delta)
-    rows_kernel, dq_kernel, dkdv_kernel = backward_kernels(dtype, head_dim, head_dim_v, bool(causal))
-    _launch(rows_kernel, f"backward rows {what}", rows_grid(delta.numel(), ROW_THREADS), THREADS, 0,
-            (o, do, lse.float(), delta, lse2), (), stream)
+    _launch(specs["rows"], rows_grid(delta.numel(), ROW_THREADS), THREADS, 0, (o, do, lse.float(), delta, lse2), (),
+            stream)
 
     if config is None:
         dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _launch(dq_kernel, f"backward dq {what}", rows_grid(q.numel() // head_dim), THREADS, 0,
-                (q, k, v, do, lse2, delta, dq), (np.float32(scale),), stream)
-        _launch(dkdv_kernel, f"backward dkdv {what}", rows_grid(k.numel() // head_dim), THREADS, 0,
-                (q, k, v, do, lse2, delta, dk, dv), (np.float32(scale),), stream)
+        _launch(specs["dq"], rows_grid(q.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dq),
+                (np.float32(scale),), stream)
+        _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dk, dv),
+                (np.float32(scale),), stream)
         return dq, dk, dv
     q, k, v, do = (_copyable_rows(x) for x in (q, k, v, do))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the kernel adds each key tile's share
     dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kernel = _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, bool(causal))
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
-    _launch(kernel, f"backward {config} {what}", grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
+    _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream)
     return dq, dk, dv
