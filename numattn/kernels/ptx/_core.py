@@ -9,6 +9,7 @@ from numba import types
 from numba.cuda import cgutils
 from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array
+from numba.cuda.typing.templates import infer_global, make_intrinsic_template
 
 _f32 = ir.FloatType()
 _i16 = ir.IntType(16)
@@ -18,14 +19,12 @@ WARP_SIZE = 32
 
 
 def _bind(twin, lowering):
-    """Make the intrinsic ``lowering`` the GPU implementation of ``twin``."""
-
-    @overload(twin, target="cuda")
-    def _gpu(*args):
-        def impl(*args):
-            return lowering(*args)
-
-        return impl
+    """Make the intrinsic ``lowering`` the GPU implementation of ``twin``: in a kernel, a call of ``twin`` is
+    typed and lowered as a call of the intrinsic itself (an overload would compile a wrapper function
+    per signature through numba's whole pipeline: a third of a kernel's compiled functions)."""
+    template = make_intrinsic_template(twin, lowering._defn, lowering._name, prefer_literal=lowering._prefer_literal,
+                                       kwargs=lowering._ctor_kwargs)
+    infer_global(twin, types.Function(template))
 
 
 def _asm(builder, text, constraints, result, operands, side_effect=False):
