@@ -30,7 +30,7 @@ def rng():
 
 
 @pytest.fixture
-def splits(monkeypatch):
+def splits(monkeypatch, fresh_plans):
     """``force(count)``: decode's key splits forced to ``count`` (the heuristic gives 1 in the simulator
     for the tests' sizes)."""
     from numattn.ops import decode as module
@@ -38,6 +38,17 @@ def splits(monkeypatch):
     def force(count):
         real = module._splits
         monkeypatch.setattr(module, "_splits", lambda p, rows, *args: (count, real(p, rows, *args)[1]))
-        monkeypatch.setattr(module, "_PLANS", {})
+        fresh_plans.clear()  # plans made before the count was forced
 
     return force
+
+
+@pytest.fixture
+def fresh_plans():
+    """The ops' plan cache, emptied before and after the test: calls plan again (consulting the tuning
+    cache and whatever the test patched), and plans made under a test's patches do not outlive it."""
+    from numattn.ops.plans import PLANS
+
+    PLANS.clear()
+    yield PLANS
+    PLANS.clear()

@@ -108,15 +108,13 @@ def test_numba_device_arrays(rng):
     assert max_error(o, reference.attention(q, k, v, causal=True)) <= ATOL["float32"]
 
 
-def test_repeated_calls_reuse_the_plan(rng):
-    from numattn.ops import attention as module
-
+def test_repeated_calls_reuse_the_plan(rng, fresh_plans):
     q, k, v = random_qkv(rng, 1, 2, 2, 8, 8, 16)
     numattn.attention(q, k, v)
-    plans = len(module._PLANS)
+    plans = len(fresh_plans)
     q2, k2, v2 = random_qkv(rng, 1, 2, 2, 8, 8, 16)
     o = numattn.attention(q2, k2, v2)
-    assert len(module._PLANS) == plans
+    assert len(fresh_plans) == plans == 1
     assert max_error(o, reference.attention(q2, k2, v2)) <= ATOL["float32"]
 
 
@@ -158,13 +156,12 @@ def test_any_small_problem(rng, group, heads_kv, seqlen_q, seqlen_kv, head_dim, 
     ],
     ids=["2warps", "warp_m2-q_in_smem"],
 )
-def test_tensor_core_configurations(rng, monkeypatch, config):
+def test_tensor_core_configurations(rng, monkeypatch, fresh_plans, config):
     """The tensor-core kernel's other tile configurations (the GPU's defaults are larger)."""
     from numattn.kernels.attention_mma import MmaConfig
     from numattn.ops import attention as module
 
     monkeypatch.setattr(module, "choose_mma_config", lambda *args: MmaConfig(**config))
-    monkeypatch.setattr(module, "_PLANS", {})
     q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 37, 45, 32), "float16")
     o, lse = numattn.attention(q, k, v, causal=True, return_lse=True)
     ref_o, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
@@ -177,7 +174,7 @@ def test_tensor_core_configurations(rng, monkeypatch, config):
     [dict(block_n=16, warpgroups=1, stages=2), dict(block_n=32, warpgroups=2, stages=3)],
     ids=["1group-2stages", "2groups-3stages"],
 )
-def test_wgmma_configurations(rng, monkeypatch, config):
+def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     """The warpgroup (wgmma) kernel, which sm_90 GPUs run by default, in the simulator: GQA, causal,
     lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups);
     the output staged through shared memory into a fresh array (16-byte stores) or into a misaligned
@@ -188,7 +185,6 @@ def test_wgmma_configurations(rng, monkeypatch, config):
     from numattn.ops import attention as module
 
     monkeypatch.setattr(module, "_default_config", lambda *args: WgmmaConfig(**config))
-    monkeypatch.setattr(module, "_PLANS", {})
     for dtype, causal, head_dim_v, misaligned_out in (
         ("float16", True, 64, False), ("bfloat16", False, 64, True), ("bfloat16", True, 128, False)
     ):

@@ -331,7 +331,7 @@ def test_mla_tuning_candidates_hold_the_default(rng):
 
 
 @pytest.mark.gpu
-def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
+def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch, fresh_plans):
     """On the GPU, tuning times the candidates with CUDA events; the stored choice is what later calls use.
     (MLA's candidates narrowed to the two sm_90 block_n 64 schedules: each configuration compiles for a while.)"""
     import torch
@@ -349,9 +349,9 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     fastest = min(table, key=lambda row: row["seconds"])
     problem = decode_module._validate_decode_args(q, k, v, None, None, None, "bhsd", False)
     assert tuned_config("decode", problem, decode_module.tuning_options) == (None, fastest["splits"])
-    decode_module._PLANS.clear()
+    fresh_plans.clear()
     o = mi.decode(q, k, v)
-    assert [plan.splits for plan in decode_module._PLANS.values()] == [fastest["splits"]]
+    assert [plan.splits for key, plan in fresh_plans.items() if key[0] == "decode"] == [fastest["splits"]]
     assert np.abs(o.double().cpu().numpy() - mi.reference.decode(q, k, v)).max() < 2e-3
 
     batch, heads, rank, rope, pages = 2, 16, 512, 64, 700
@@ -368,9 +368,10 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch):
     fastest = min(verified, key=lambda row: row["seconds"])
     config, splits = tuned_config("mla_decode", mla_module._validate(*args, 0.1, False), mla_module.tuning_options)
     assert (repr(config), splits) == (fastest["config"], fastest["splits"])
-    mla_module._PLANS.clear()
+    fresh_plans.clear()
     o = mi.mla_decode(*args, scale=0.1)
-    assert [(plan.config, plan.splits) for plan in mla_module._PLANS.values()] == [(config, splits)]
+    assert [(plan.config, plan.splits) for key, plan in fresh_plans.items() if key[0] == "mla_decode"] == [
+        (config, splits)]
     assert np.abs(o.double().cpu().numpy() - mi.reference.mla_decode(*args, scale=0.1)).max() < 2e-3
 
 

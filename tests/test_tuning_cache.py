@@ -40,15 +40,6 @@ def attention_inputs(rng):
     return tuple(rng.uniform(-1, 1, (1, 2, 8, 16)).astype(np.float32) for _ in range(3))
 
 
-@pytest.fixture
-def fresh_plans(monkeypatch):
-    """Empty plan caches of the functional API, so that calls plan again (and consult the tuning cache)."""
-    from numattn.ops import attention, decode, mla
-
-    for module in (attention, decode, mla):
-        monkeypatch.setattr(module, "_PLANS", {})
-
-
 # -- unwritable directories -------------------------------------------------------------------------
 def test_search_and_tune_warn_and_return_when_the_cache_directory_is_a_file(tmp_path, monkeypatch, rng):
     blocker = tmp_path / "file"

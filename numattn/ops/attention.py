@@ -54,6 +54,7 @@ from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..kernels.split_merge import CLUSTER_SPLITS, MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import KEY_SPLITS, attention_seconds
 from ..tuning.store import tuned_config
+from .plans import PLANS, array_signature
 from .workspace import SplitWorkspaces, WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -536,11 +537,6 @@ def _deliver(o_storage, q, out, p):
     return out
 
 
-_PLANS = {}
-_MAX_PLANS = 4096
-_UNCACHED = object()
-
-
 def _key(q, k, v, out, causal, scale, layout, return_lse):
     """Plan-cache key of a call whose arrays have ``.stride()`` and ``.data_ptr()`` (torch); AttributeError otherwise.
 
@@ -548,6 +544,7 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
     what validation would reject (``1 == True``, but ``causal=1`` is an error).
     """
     return (
+        "attention",
         q.__class__, q.dtype, q.shape, q.stride(), q.device,
         k.__class__, k.dtype, k.shape, k.stride(), k.device,
         v.__class__, v.dtype, v.shape, v.stride(), v.device,
@@ -555,15 +552,6 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
     )
-
-
-def _signature(x):
-    """Hashable description of a numpy array's metadata (what a plan depends on)."""
-    if x is None:
-        return None
-    if isinstance(x, np.ndarray):
-        return (x.dtype, x.shape, x.strides)
-    return _UNCACHED  # other libraries: validated and planned on every call
 
 
 def _make_plan(problem, config=None, splits=1):
@@ -692,7 +680,7 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
             "q, k or v requires grad, and numattn.attention records no gradients: use "
             "numattn.torch.attention(q, k, v, causal=..., scale=...) for autograd, or call under torch.no_grad()")
     try:
-        plan = _PLANS[_key(q, k, v, out, causal, scale, layout, return_lse)]
+        plan = PLANS[_key(q, k, v, out, causal, scale, layout, return_lse)]
     except (AttributeError, KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
         plan, q, k, v, out = _slow_path(q, k, v, out, causal, scale, layout, return_lse)
     return plan(q, k, v, out)
@@ -733,20 +721,20 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
     """Validate and plan a call missing from the cache; cache the plan when the arguments allow."""
     try:
         key = _key(q, k, v, out, causal, scale, layout, return_lse)
-    except AttributeError:
-        key = (_signature(q), _signature(k), _signature(v), _signature(out), causal.__class__, causal,
-               scale.__class__, scale, layout, return_lse.__class__, return_lse)
+    except AttributeError:  # not all torch tensors
+        try:
+            key = ("attention", *map(array_signature, (q, k, v, out)), causal.__class__, causal, scale.__class__,
+                   scale, layout, return_lse.__class__, return_lse)
+        except TypeError:  # arrays of other libraries: validated and planned on every call
+            key = None
     try:
         hash(key)  # an unhashable argument (say a list for scale) is left to validation to report
-        cacheable = all(part is not _UNCACHED for part in key)
     except TypeError:
-        cacheable = False
-    plan = _PLANS.get(key) if cacheable else None
+        key = None
+    plan = PLANS.get(key) if key is not None else None
     if plan is None:
         q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
         plan = _tuned_or_default_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
-        if cacheable:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+        if key is not None:
+            PLANS.store(key, plan)
     return plan, q, k, v, out

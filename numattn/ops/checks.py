@@ -12,9 +12,11 @@ import ctypes
 
 import numpy as np
 
+from .._arrays import FLOAT_DTYPES, describe
 from .._cuda import cuda
 from ..kernels import index_check
 from ..kernels.launch import array_fields, compiled, driver_call, flatten_array, zero_words
+from .plans import where
 
 
 def host_values(x):
@@ -26,6 +28,40 @@ def host_values(x):
     if hasattr(x, "copy_to_host"):  # numba device arrays, the simulator's included
         return x.copy_to_host()
     return cuda.as_cuda_array(x).copy_to_host()
+
+
+def check_float_operand(op, name, ndims, expected):
+    """``op`` (``describe``'s operand) has one of the ranks ``ndims`` (``expected`` says them in words), no
+    zero-size dimension and a float dtype; else ValueError or TypeError naming ``name``."""
+    if len(op.shape) not in ndims:
+        raise ValueError(f"{name} must be {expected}, got shape {op.shape}")
+    if 0 in op.shape:
+        raise ValueError(f"{name} has a zero-size dimension: shape {op.shape}")
+    if op.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {op.dtype}; expected float16, bfloat16 or float32")
+
+
+def check_index_operand(op, name, shape_text, ndim, device):
+    """``op`` is int32, of rank ``ndim`` (``shape_text`` in words) and on ``device`` (q's); else TypeError
+    or ValueError naming ``name``."""
+    if op.dtype != "int32":
+        raise TypeError(f"{name} must have dtype int32, got {op.dtype}")
+    if len(op.shape) != ndim:
+        raise ValueError(f"{name} must be {shape_text}, got shape {op.shape}")
+    if op.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({where(device)}), got {op.where}")
+
+
+def page_table_operands(page_table, seqlens, batch, device):
+    """Operands of a page table ``[batch, max_pages]`` and lengths ``[batch]``, checked: int32, shapes, device."""
+    t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
+    check_index_operand(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, device)
+    check_index_operand(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, device)
+    if t_op.shape[0] != batch or t_op.shape[1] == 0:
+        raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got shape {t_op.shape}")
+    if s_op.shape[0] != batch:
+        raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
+    return t_op, s_op
 
 
 def check_lengths_and_pages(seqlens, page_table, capacity, capacity_text, page_size, num_pages):

@@ -47,10 +47,18 @@ from ..kernels.decode import (
 )
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..kernels.split_merge import MAX_SPLITS
-from ..tuning.models import split_candidates
+from ..tuning.models import split_candidates, split_count
 from ..tuning.store import tuned_config
 from .attention import choice, out_operand, softmax_scale
-from .checks import DeviceIndexCheck, check_lengths_and_pages, host_values
+from .checks import (
+    DeviceIndexCheck,
+    check_float_operand,
+    check_index_operand,
+    check_lengths_and_pages,
+    host_values,
+    page_table_operands,
+)
+from .plans import PLANS, TorchOutputs, array_pointer, array_signature, tensor_pointer
 from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -112,32 +120,10 @@ class DecodeProblem:
         return (self.batch, self.heads_q, self.seqlen_q)
 
 
-def _check_float(op, name, ndims, expected):
-    if len(op.shape) not in ndims:
-        raise ValueError(f"{name} must be {expected}, got shape {op.shape}")
-    if 0 in op.shape:
-        raise ValueError(f"{name} has a zero-size dimension: shape {op.shape}")
-    if op.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} has dtype {op.dtype}; expected float16, bfloat16 or float32")
-
-
-def _check_index(op, name, shape_text, ndim, device):
-    if op.dtype != "int32":
-        raise TypeError(f"{name} must have dtype int32, got {op.dtype}")
-    if len(op.shape) != ndim:
-        raise ValueError(f"{name} must be {shape_text}, got shape {op.shape}")
-    if op.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({_where(device)}), got {op.where}")
-
-
-def _where(device):
-    return "host memory" if device is None else f"GPU {device}"
-
-
 def _query(q, layout):
     """``(operand, [B, Hq, Sq, D] view, squeezed)`` of the query argument."""
     op = describe(q, "q")
-    _check_float(op, "q", (3, 4), "(batch, heads, head_dim) or 4-D " + (
+    check_float_operand(op, "q", (3, 4), "(batch, heads, head_dim) or 4-D " + (
         "(batch, heads, seqlen_q, head_dim)" if layout == "bhsd" else "(batch, seqlen_q, heads, head_dim)"))
     if len(op.shape) == 3:
         b, h, d = op.shape
@@ -181,7 +167,7 @@ def _caches(q_op, q4, k, v, names, text, axes):
     """Operands and ``[pages, Hkv, page_size, D]`` views of a key and a value cache, checked against q."""
     k_op, v_op = describe(k, names[0]), describe(v, names[1])
     for name, op in zip(names, (k_op, v_op), strict=True):
-        _check_float(op, name, (4,), text)
+        check_float_operand(op, name, (4,), text)
     k4, v4 = (_Array(op, tuple(op.shape[a] for a in axes), tuple(op.strides[a] for a in axes)) for op in (k_op, v_op))
     _common_checks(q_op, q4, k_op, v_op, k4, v4)
     return k4, v4
@@ -200,7 +186,7 @@ def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, ou
     seq = None
     if seqlens is not None:
         s_op = describe(seqlens, "seqlens")
-        _check_index(s_op, "seqlens", f"1-D (batch,) = ({q4.shape[0]},)", 1, q_op.device)
+        check_index_operand(s_op, "seqlens", f"1-D (batch,) = ({q4.shape[0]},)", 1, q_op.device)
         if s_op.shape[0] != q4.shape[0]:
             raise ValueError(f"seqlens must have one entry per sequence ({q4.shape[0]}), got shape {s_op.shape}")
         seq = _Array(s_op, s_op.shape, s_op.strides)
@@ -216,22 +202,10 @@ def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, 
     axes = (0, 2, 1, 3) if kv_layout == "nhd" else (0, 1, 2, 3)
     k4, v4 = _caches(q_op, q4, k_pages, v_pages, ("k_pages", "v_pages"), text, axes)
     batch = q4.shape[0]
-    t_op, s_op = page_indices(page_table, seqlens, batch, q_op.device)
+    t_op, s_op = page_table_operands(page_table, seqlens, batch, q_op.device)
     table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
     return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed,
                     out)
-
-
-def page_indices(page_table, seqlens, batch, device):
-    """Operands of a page table ``[batch, max_pages]`` and lengths ``[batch]``, checked: int32, shapes, device."""
-    t_op, s_op = describe(page_table, "page_table"), describe(seqlens, "seqlens")
-    _check_index(t_op, "page_table", f"2-D (batch, max_pages) with batch {batch}", 2, device)
-    _check_index(s_op, "seqlens", f"1-D (batch,) = ({batch},)", 1, device)
-    if t_op.shape[0] != batch or t_op.shape[1] == 0:
-        raise ValueError(f"page_table must be (batch, max_pages) with batch {batch} and max_pages >= 1, got shape {t_op.shape}")
-    if s_op.shape[0] != batch:
-        raise ValueError(f"seqlens must have one entry per sequence ({batch}), got shape {s_op.shape}")
-    return t_op, s_op
 
 
 def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed, out):
@@ -280,14 +254,6 @@ def _splits(p, rows, blocks_per_sm, min_keys, limits):
         if p.capacity >= wide * LONG_SPLIT_KEYS:
             splits = wide
     return splits, row_chunks
-
-
-def split_count(work, capacity, blocks_per_sm, min_keys, sms, per_sm=1):
-    """Key splits for ``work`` blocks' worth of (sequence, head, rows) over ``capacity`` keys, filling at
-    most ``per_sm`` blocks per SM (see ``_splits``)."""
-    slots = blocks_per_sm * sms
-    most = max(1, min(-(-capacity // min_keys), per_sm * sms // work, MAX_SPLITS))
-    return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
 
 
 # ring depths of the tensor-core kernel, the first that fits the shared memory is used: two stages (one
@@ -394,7 +360,7 @@ class _DevicePlan(_Plan):
             table = None if p.page_table is None else (p.page_table.shape, p.page_table.strides)
             self._index_check = DeviceIndexCheck(p.device, table, (p.seqlens.shape, p.seqlens.strides), p.capacity,
                                                  p.k.shape[2], p.k.shape[0])
-        self._index_check(self.stream_of(q), _pointer(page_table), _pointer(seqlens))
+        self._index_check(self.stream_of(q), array_pointer(page_table), array_pointer(seqlens))
 
     def stream_of(self, q):
         """The raw handle of the stream a launch on ``q`` runs on."""
@@ -458,47 +424,6 @@ class _TorchPlan(_DevicePlan):
             return out if lse is None else (out, lse)
 
         return run
-
-
-def tensor_pointer(x):
-    """A torch tensor's data pointer, 0 for None."""
-    return 0 if x is None else x.data_ptr()
-
-
-def _pointer(x):
-    """A device array's data pointer, 0 for None."""
-    return 0 if x is None else device_pointer(x)
-
-
-class TorchOutputs:
-    """A plan's output, LSE and split workspace, allocated per call from torch's allocator.
-
-    The workspace is one fp32 buffer: the partial outputs ``part_shape``, then their
-    log2-sum-exps (``part_shape[:-1]``). ``lse_shape`` / ``part_shape`` None: not needed.
-    """
-
-    def __init__(self, torch, device, dtype, out_shape, lse_shape, part_shape):
-        one = torch.empty(1, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
-        self._empty_like = torch.empty_like
-        # expanded views of one element: ``empty_like`` of these is torch's cheapest allocation of the shape
-        self.out_template = one.expand(out_shape)
-        self.lse_template = one.float().expand(lse_shape) if lse_shape is not None else None
-        self._part_size = int(np.prod(part_shape)) if part_shape is not None else 0
-        self._workspace = (one.float().expand(self._part_size + self._part_size // part_shape[-1])
-                           if part_shape is not None else None)
-
-    def allocate(self, out=None):
-        """``(out, lse or None, workspace or None, partials pointer, their LSEs pointer)`` (0s without a
-        workspace); a given ``out`` is used as it is."""
-        empty_like = self._empty_like
-        if out is None:
-            out = empty_like(self.out_template)
-        lse = empty_like(self.lse_template) if self.lse_template is not None else None
-        if self._workspace is None:
-            return out, lse, None, 0, 0
-        workspace = empty_like(self._workspace)
-        part = workspace.data_ptr()
-        return out, lse, workspace, part, part + 4 * self._part_size
 
 
 class _CaiPlan(_DevicePlan):
@@ -624,23 +549,8 @@ def _make_plan(p, splits=None):
     return _CaiPlan(p, splits)
 
 
-_PLANS = {}
-_MAX_PLANS = 1024
-
-
-def _signature(x):
-    """What a plan depends on of one argument (None for an absent one)."""
-    if x is None:
-        return None
-    if is_torch(x):
-        return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
-    if isinstance(x, np.ndarray):
-        return (x.dtype, x.shape, x.strides)
-    raise TypeError  # other libraries: validated and planned on every call
-
-
 def _torch_key(kind, q, k, v, table, lengths, out, options):
-    """Plan-cache key of a call on torch tensors, ``_signature``'s fields in one flat tuple (the hot path);
+    """Plan-cache key of a call on torch tensors, ``array_signature``'s fields in one flat tuple (the hot path);
     AttributeError for other arrays. Options enter with their types, so that a cached plan never accepts
     what validation would reject."""
     return (
@@ -664,9 +574,9 @@ def _run(kind, validate, arrays, options, check, out):
         try:
             key = _torch_key(kind, q, k, v, table, lengths, out, options)
         except AttributeError:  # not all torch tensors
-            key = (kind, _signature(q), _signature(k), _signature(v), _signature(table), _signature(lengths),
-                   _signature(out), *options, *map(type, options))
-        plan = _PLANS.get(key)  # hashes the key once
+            key = (kind, array_signature(q), array_signature(k), array_signature(v), array_signature(table), array_signature(lengths),
+                   array_signature(out), *options, *map(type, options))
+        plan = PLANS.get(key)  # hashes the key once
     except TypeError:  # an argument without a signature, or unhashable options: validated and planned every call
         key = plan = None
     if plan is None:
@@ -675,9 +585,7 @@ def _run(kind, validate, arrays, options, check, out):
         problem = validate(*arrays, *options, out)
         plan = _make_plan(problem, _tuned_splits(problem))
         if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            PLANS.store(key, plan)
     if check and arrays[4] is not None and not _capturing(plan.problem):  # the values checked are seqlens
         plan.check_values(arrays[0], arrays[3], arrays[4])
     return plan(*arrays, out)

@@ -39,18 +39,12 @@ from ..kernels.mla import (
 )
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
 from ..kernels.split_merge import MAX_SPLITS, combine_kernel
-from ..tuning.models import split_candidates
+from ..tuning.models import split_candidates, split_count
 from ..tuning.store import tuned_config
 from .attention import softmax_scale
-from .checks import DeviceIndexCheck, check_lengths_and_pages
-from .decode import (
-    TorchOutputs,
-    _signature,
-    _where,
-    page_indices,
-    paged_decode,
-    split_count,
-)
+from .checks import DeviceIndexCheck, check_lengths_and_pages, page_table_operands
+from .decode import paged_decode
+from .plans import PLANS, TorchOutputs, array_signature, where
 from .workspace import capturing_now
 
 MAX_RANK, MAX_ROPE = 512, 64
@@ -124,7 +118,7 @@ def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, re
     if qn.dtype != "float32":  # float32 goes through a concatenated copy of the caches
         for op, name in zip(ops, names, strict=True):
             _aligned_rows(op, name)
-    t_op, s_op = page_indices(page_table, seqlens, batch, qn.device)
+    t_op, s_op = page_table_operands(page_table, seqlens, batch, qn.device)
     shapes = tuple((op.shape, op.strides) for op in (*ops, t_op, s_op))
     return MlaProblem(batch, heads, rank, rope, ckv.shape[1], ckv.shape[0], t_op.shape[1], qn.dtype, qn.device,
                       softmax_scale(scale, rank + rope), bool(return_lse), shapes)
@@ -291,10 +285,6 @@ def _unused(ndim):
     return (1,) * ndim, (1,) * ndim, 4
 
 
-_PLANS = {}
-_MAX_PLANS = 256
-
-
 def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, page_table: Array, seqlens: Array,
                *, scale: float, return_lse: bool = False, check: bool = True) -> Array | tuple[Array, Array]:
     """MLA decode (absorbed weights): every query head attends to the shared latent rows of its sequence.
@@ -337,8 +327,8 @@ def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, p
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
     key = None
     if all(is_torch(x) for x in arrays):
-        key = (*map(_signature, arrays), type(scale), scale, bool(return_lse))
-    plan = _PLANS.get(key) if key is not None else None
+        key = ("mla_decode", *map(array_signature, arrays), type(scale), scale, bool(return_lse))
+    plan = PLANS.get(key) if key is not None else None
     if plan is None:
         p = _validate(*arrays, scale, return_lse)
         if p.dtype == "float32":
@@ -346,11 +336,9 @@ def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, p
         plan = planned(p, *(_tuned(p) or (None, None))) if p.device is None or SIMULATOR or key is not None else None
         if plan is None:
             raise TypeError(f"mla_decode on a GPU takes torch tensors (or host arrays), got {type(q_nope).__name__} "
-                            f"on {_where(p.device)}")
+                            f"on {where(p.device)}")
         if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            PLANS.store(key, plan)
     p = plan.problem
     if check and not (p.device is not None and _capturing_torch()):
         plan.check_values(page_table, seqlens)

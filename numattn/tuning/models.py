@@ -4,6 +4,8 @@ that tuners try."""
 
 import numpy as np
 
+from ..kernels.split_merge import MAX_SPLITS
+
 KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the tensor-core kernels and decode
 
 # the cost model's device: an H100's copy bandwidth, tensor/CUDA-core rates and SMs, per-launch cost
@@ -43,3 +45,13 @@ def split_candidates(work, capacity, row_bytes, query_bytes):
             seconds += 2 * splits * query_bytes / BANDWIDTH + LAUNCH_SECONDS
         out.append((None, splits, seconds + LAUNCH_SECONDS))
     return out
+
+
+def split_count(work, capacity, blocks_per_sm, min_keys, sms, per_sm=1):
+    """Key splits for ``work`` blocks' worth of (sequence, head, rows) over ``capacity`` keys: the fewest that
+    minimise the waves of blocks times the keys per block, ``ceil(work · n / slots) / n`` with ``slots =
+    blocks_per_sm · sms``, with at least ``min_keys`` keys per split, at most ``MAX_SPLITS``, and at most
+    ``per_sm`` blocks per SM."""
+    slots = blocks_per_sm * sms
+    most = max(1, min(-(-capacity // min_keys), per_sm * sms // work, MAX_SPLITS))
+    return min(range(1, most + 1), key=lambda n: (-(-work * n // slots) / n, n))
