@@ -191,7 +191,7 @@ def bench_configs(shape, dtype, causal, configs):
     return rows
 
 
-# (batch, heads_q, heads_kv, max_seqlen, head_dim, dtype): the decode targets W1, W2, W3
+# (batch, heads_q, heads_kv, max_seqlen, head_dim, dtype): the decode targets
 DECODE_SHAPES = [(64, 32, 8, 4096, 128, "float16"), (8, 32, 8, 32768, 128, "bfloat16"), (1, 32, 8, 8192, 128, "float16")]
 
 
@@ -364,7 +364,7 @@ def matmul_peak_tflops(n=8192, dtype="bfloat16"):
 
 
 # (batch, heads, seqlen, head_dim): the head-dim × length table (16k tokens per batch),
-# then the targets W5 (B8 H16 L2048 D64 fp16) and W4 (B4 H32 L4096 D128 bf16)
+# then the targets B8 H16 L2048 D64 fp16 and B4 H32 L4096 D128 bf16
 TABLE_SHAPES = [(b, 16, seqlen, d) for d in (64, 128, 256) for b, seqlen in ((16, 1024), (4, 4096), (1, 16384))]
 QUICK_SHAPES = [(4, 16, 1024, 64), (2, 16, 1024, 128)]
 
@@ -383,7 +383,7 @@ def print_attention_table(rows, peak=None):
         print(f"{shape:>18} {row['dtype']:>8} {str(row['causal']):>6} " + " ".join(cells) + fraction)
 
 
-TRAINING_SHAPES = [(4, 32, 4096, 128), (4, 32, 4096, 64)]  # W8 and its D = 64 twin
+TRAINING_SHAPES = [(4, 32, 4096, 128), (4, 32, 4096, 64)]  # the training target and its D = 64 twin
 
 
 def bench_training(shapes=TRAINING_SHAPES, dtype="bfloat16", causals=(False, True)):
@@ -489,7 +489,7 @@ def alternating_loop_us(fns, rounds=5):
 
 
 def bench_graph(batches=(1, 8)):
-    """W6: the superoptimized Mirage GQA graph on the graph's inputs, against each SDPA backend on the
+    """The superoptimized Mirage GQA graph on the graph's inputs, against each SDPA backend on the
     inputs it is fastest with (contiguous 4-D ``[1, 2b, seqlen, head_dim]``, the keys transposed outside
     the timed region) and torch eager on the graph's inputs; the search time uncached and from the
     cache (a fresh cache directory)."""
@@ -531,7 +531,7 @@ def bench_graph(batches=(1, 8)):
 
 
 # the default (checked) call against check=False: mla_decode in FlashInfer's benchmark layout (rank 512,
-# rope 64, fp16; (batch, heads, seqlen, page_size)), paged_decode (pages of 16) and decode with seqlens on W1
+# rope 64, fp16; (batch, heads, seqlen, page_size)), paged_decode (pages of 16) and decode with seqlens on B64 Hq32 Hkv8 L4096 D128 fp16
 CHECKED_MLA_SHAPES = [(768, 64, 2048, 1), (768, 16, 1024, 64)]
 
 
@@ -669,9 +669,9 @@ def bench_cold_start(cases=tuple(COLD_START_CASES)):
 
 
 def run_facts(torch):
-    """What a stored result needs beside its numbers: the date, the command, numattn's version and the
-    source revision it ran (``git describe`` where the package sits in a git checkout), the versions of
-    torch, CUDA, numba and numba-cuda."""
+    """What a stored result needs beside its numbers: the date, the command, the GPU, numattn's version and
+    the source revision it ran (``git describe`` where the package sits in a git checkout), the versions
+    of torch, CUDA, numba and numba-cuda."""
     import datetime
     import subprocess
     import sys
@@ -687,7 +687,8 @@ def run_facts(torch):
         revision = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, "-m", "numattn", *sys.argv[1:]]),
-            "numattn": numattn.__version__, "revision": revision, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(), "numattn": numattn.__version__, "revision": revision,
+            "torch": torch.__version__,
             "cuda": torch.version.cuda, "numba": metadata.version("numba"), "numba-cuda": metadata.version("numba-cuda")}
 
 

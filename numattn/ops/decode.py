@@ -672,7 +672,9 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, page_table: Array, se
     scale, return_lse, check, out : as in ``decode``; ``check`` also checks that every page index
         a sequence uses lies in ``[0, num_pages)`` (unchecked indices are clamped into it).
 
-    See ``numattn.csr_page_table`` for FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
+    See Also
+    --------
+    numattn.csr_page_table : the page table of FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
     """
     return _run("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
                 (scale, kv_layout, return_lse), check, out)

@@ -306,9 +306,15 @@ def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, p
         GPU without a synchronisation, a bad value raised by the next checked call; skipped under
         CUDA-graph capture. Unchecked values are clamped into range.
 
+    Returns
+    -------
+    ``o`` ``[batch, heads, kv_lora_rank]`` like ``q_nope``, or ``(o, lse)``; a NaN score makes its
+    head's output and LSE NaN.
+
+    Notes
+    -----
     ``kv_lora_rank`` a multiple of 64 up to 512 (of 16 in float32), ``rope_dim`` a multiple of 16
-    up to 64; rows contiguous. Returns ``o`` ``[batch, heads, kv_lora_rank]`` like ``q_nope``, or
-    ``(o, lse)``; a NaN score makes its head's output and LSE NaN.
+    up to 64; rows contiguous.
 
     Examples
     --------

@@ -1,0 +1,427 @@
+"""The tables of docs/benchmarks.md, generated from the stored results in benchmarks/results/.
+
+    python benchmarks/page.py           rewrite every generated block of the page
+    python benchmarks/page.py --check   exit 1 (and name the blocks) if the page is out of date
+
+The page is hand-written prose with generated blocks between ``<!-- generated: NAME -->`` and
+``<!-- end generated -->``; each block is one table built from one results file (``SOURCES`` names it),
+the facts of that file's run under it (GPU, date, revision, versions, command) and, where the project
+set a target, a line saying whether the numbers meet it. To show a newer run, store its JSON in
+benchmarks/results/ (``python -m numattn bench ... --json benchmarks/results/NAME.json``), point the
+section's entry of ``SOURCES`` at it and run this script. Workloads are named by their shapes.
+
+Needs only the standard library (no GPU, no numattn import).
+"""
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+# links from the page to files outside the documentation site (the results, the dated record) go to the repository
+REPOSITORY = "https://github.com/numattn/numattn/blob/main"
+BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated -->)", re.S)
+
+# the results file (in benchmarks/results/, without .json) that feeds each generated block: for each
+# section the most recent run that covers it
+SOURCES = {
+    "attention": "bench-h100-table-2026-11-22",
+    "attention-quick": "bench-h200-2026-11-24d",
+    "decode-h200": "bench-h200-2026-11-24d",
+    "decode-h100": "bench-h100-2026-11-24f",
+    "mla": "bench-h100-2026-11-24c",
+    "training": "training-h100-2026-11-23",
+    "graph": "graph-h200-2026-11-26",
+    "checked": "bench-h200-2026-11-26",
+    "cold-start": "coldstart-h100-2026-11-26",
+    "host": "bench-h200-2026-11-24d",
+    "cpu": "cpu-2026-11-26",
+}
+
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+# the decode workloads of numattn.bench.DECODE_SHAPES, as the stored results label them in call names
+DECODE_LABELS = {"W1": (64, 32, 8, 4096, 128, "float16"), "W2": (8, 32, 8, 32768, 128, "bfloat16"),
+                 "W3": (1, 32, 8, 8192, 128, "float16")}
+# the first-call cases of numattn.bench.COLD_START_CASES, by their stored names
+COLD_START = {
+    "attention bf16 D128 causal": "`attention` q, k, v (2, 16, 1024, 128) bf16, causal",
+    "attention fp16 D64": "`attention` q, k, v (2, 16, 1024, 64) fp16",
+    "decode fp16 D128": "`decode` q (8, 32, 128), cache (8, 8, 4096, 128) fp16",
+    "mla_decode (512, 64)": "`mla_decode` B64 H16 L1000, rank 512, rope 64, pages of 64, fp16",
+    "numattn.torch.attention fwd + bwd bf16 D128 GQA": "`numattn.torch.attention` forward + backward, q (2, 32, 1024, "
+                                                       "128), k, v (2, 8, 1024, 128) bf16, causal",
+    "torch SDPA bf16 D128 causal": "torch SDPA, as the first row",
+}
+# the host-overhead entries of bench_host_overhead and bench_decode_host_overhead, as the page names them
+HOST_ATTENTION = {"numattn.attention": "`attention(q, k, v)`", "numattn.attention, return_lse": "`return_lse=True`",
+                  "numattn.attention, causal, bshd": "`causal=True, layout=\"bshd\"`", "torch sdpa": "torch SDPA",
+                  "torch.add": "`torch.add(a, a)`"}
+HOST_DECODE = [  # (call, entry on the small cache, entry on B1 Hq32 Hkv8 L8192)
+    ("`decode`", "numattn.decode", "numattn.decode, W3 (split)"),
+    ("`decode` with `seqlens`", "numattn.decode, seqlens", None),
+    ("`decode` with `out=`", "numattn.decode, out=", None),
+    ("`paged_decode`, pages of 16", "numattn.paged_decode", None),
+    ("a `decode_plan` call", "decode_plan", "decode_plan, W3 (split)"),
+    ("a `decode_plan` call with `out=`", "decode_plan, out=", None),
+    ("a `paged_decode_plan` call, pages of 16", "paged_decode_plan", None),
+    ("torch SDPA (GQA)", "torch sdpa (GQA)", None),
+    ("`torch.add(a, a)`", "torch.add", None),
+]
+BACKENDS = {"flash": "flash", "cudnn": "cuDNN", "efficient": "efficient"}
+
+
+def load(name):
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def dtype(name):
+    return DTYPES.get(name, name)
+
+
+def attention_workload(row):
+    b, h, length, d = row["shape"]
+    return f"B{b} H{h} L{length} D{d} {dtype(row['dtype'])}" + (" causal" if row.get("causal") else "")
+
+
+def decode_workload(shape, dtype_name):
+    b, hq, hkv, length, d = shape[:5]
+    return f"B{b} Hq{hq} Hkv{hkv} L{length} D{d} {dtype(dtype_name)}"
+
+
+def named_decode(text):
+    """A stored call name with its decode label replaced by the workload's shape."""
+    for label, shape in DECODE_LABELS.items():
+        text = re.sub(rf"\b{label}\b", decode_workload(shape, shape[5]), text)
+    return text
+
+
+def num(value, digits=1):
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def pct(value, digits=0):
+    return f"{value * 100:.{digits}f}%"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+
+
+def run_line(data, name):
+    """The facts of a stored run, one line under its table."""
+    run = data.get("run", {})
+    gpu = run.get("gpu") or run.get("cpu") or data.get("device", {}).get("name") or "device not recorded"
+    versions = [f"{'CUDA' if key == 'cuda' else key} {run[key]}" for key in ("numattn", "torch", "cuda", "numba", "numba-cuda") if run.get(key)]
+    missing = [key for key in ("numba", "numba-cuda", "cuda") if run.get(key) is None and key in run]
+    if missing and run.get("gpu"):
+        versions.append("not recorded: " + ", ".join(missing))
+    command = run.get("command")
+    if command and command.startswith("python -m numattn bench"):
+        command = re.sub(r"--json \S+", f"--json benchmarks/results/{name}.json", command)
+        if "--json" not in command:
+            command += f" --json benchmarks/results/{name}.json"
+    source = run.get("source", "")
+    provenance = ("; run facts reconstructed from the history" if source.startswith("reconstructed")
+                  else "; transcribed from the dated record" if source.startswith("transcribed") else "")
+    return (f"*{gpu}, {run.get('date', 'date not recorded')[:10]}, revision {run.get('revision') or 'not recorded'}; "
+            f"{', '.join(versions)}; " + (f"`{command}`" if command else "command not recorded")
+            + f"; data: [{name}.json]({REPOSITORY}/benchmarks/results/{name}.json){provenance}.*")
+
+
+def target(text, met):
+    return f"- Target: {text} — **{'met' if met else 'not met'}**."
+
+
+def best_sdpa(row, suffix):
+    values = {name: row.get(f"{name}_{suffix}") for name in ("flash", "cudnn", "efficient")}
+    values = {name: value for name, value in values.items() if value is not None}
+    name = min(values, key=values.get)
+    return BACKENDS[name], values[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the blocks
+
+
+def block_attention(data):
+    peak = data["matmul_tflops"]
+    rows = [[attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]), pct(r["numattn_tflops"] / peak, 1),
+             num(r.get("flash_ms"), 3), pct(r["flash_ms"] / r["numattn_ms"]) if r.get("flash_ms") else "n/a",
+             num(r.get("cudnn_tflops") if r.get("cudnn_ms") else None), num(r.get("efficient_tflops"))]
+            for r in data["attention"]]
+    lines = table(["workload", "numattn ms", "TFLOP/s", f"of peak ({peak:.0f})", "SDPA flash ms", "numattn / flash",
+                   "cuDNN TFLOP/s", "efficient TFLOP/s"], rows)
+    goals = [r for r in data["attention"] if (tuple(r["shape"]), r["dtype"]) in
+             {((4, 32, 4096, 128), "bfloat16"), ((8, 16, 2048, 64), "float16")}]
+    ratios = [(attention_workload(r), r["flash_ms"] / r["numattn_ms"]) for r in goals]
+    lines += ["", target("at least SDPA flash's speed in the same run on " + ", ".join(f"{w} ({pct(x)})" for w, x in ratios),
+                     all(x >= 1 for _, x in ratios))]
+    return lines
+
+
+def block_attention_quick(data):
+    rows = []
+    for r in data["attention"]:
+        name, best = best_sdpa(r, "ms")
+        rows.append([attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]), num(r.get("flash_ms"), 3),
+                     num(r.get("cudnn_ms"), 3), num(r.get("efficient_ms"), 3), f"{pct(best / r['numattn_ms'])} ({name})"])
+    return table(["workload", "numattn ms", "TFLOP/s", "SDPA flash ms", "cuDNN ms", "efficient ms",
+                  "numattn / best SDPA"], rows)
+
+
+def block_decode(data):
+    rows = []
+    for r in data["decode"]:
+        name, best = best_sdpa(r, "us")
+        rows.append([decode_workload(r["shape"], r["dtype"]), num(r["numattn_us"]), f"{r['numattn_gbs']:,.0f}",
+                     " / ".join(num(r.get(f"paged{p}_us")) for p in (1, 16, 64)), num(r.get("flash_us")),
+                     num(r.get("cudnn_us")), f"{pct(best / r['numattn_us'])} ({name})"])
+    lines = table(["workload", "numattn µs", "GB/s", "paged, pages of 1 / 16 / 64, µs", "SDPA flash µs",
+                   "SDPA cuDNN µs", "numattn / best SDPA"], rows)
+    by_shape = {tuple(r["shape"]) + (r["dtype"],): r for r in data["decode"]}
+    big = by_shape[tuple(DECODE_LABELS["W1"][:5]) + (DECODE_LABELS["W1"][5],)]
+    lines.append("")
+    behind = big["numattn_us"] / big["cudnn_us"] - 1
+    text = (f"{decode_workload(big['shape'], big['dtype'])} within 5% of cuDNN "
+            f"({pct(abs(behind), 1)} {'behind' if behind > 0 else 'ahead'})")
+    met = behind <= 0.05
+    if data["device"]["name"] == "NVIDIA H200":
+        text += f" at ≥ 4.0 TB/s ({big['numattn_gbs']:,.0f} GB/s)"
+        met = met and big["numattn_gbs"] >= 4000
+    lines.append(target(text, met))
+    others = [by_shape[tuple(s[:5]) + (s[5],)] for label, s in DECODE_LABELS.items() if label != "W1"]
+    parts = []
+    for r in others:
+        name, best = best_sdpa(r, "us")
+        parts.append((f"{decode_workload(r['shape'], r['dtype'])} {num(r['numattn_us'])} µs against {name}'s "
+                      f"{num(best)}", r["numattn_us"] <= best))
+    lines.append(target("no slower than the best SDPA backend: " + "; ".join(p for p, _ in parts),
+                        all(ok for _, ok in parts)))
+    paged = [big[f"paged{p}_us"] / big["numattn_us"] - 1 for p in (1, 16, 64)]
+    lines.append(target(f"paged within 10% of contiguous on {decode_workload(big['shape'], big['dtype'])} "
+                        f"({' / '.join(pct(x, 1) for x in paged)} behind at pages of 1 / 16 / 64)",
+                        max(paged) <= 0.10))
+    return lines
+
+
+def mla_config(text):
+    """'wgmma 32/4, shared, persistent' from a stored MlaConfig description."""
+    fields = dict(re.findall(r"(\w+)=('?[\w]+'?)", text))
+    kernel = "wgmma" if fields.get("wgmma") == "True" else "mma.sync"
+    name = f"{kernel} {fields['block_n']}/{fields['stages']}, {fields['warps']} warps, {fields['qk'].strip(chr(39))}"
+    return name + (", persistent" if fields.get("persistent") == "True" else "")
+
+
+def persistent_grid(config, heads):
+    """Whether a stored MLA configuration ran the persistent grid: only without key splits and for at most 32
+    heads (numattn.kernels.mla_wgmma.PERSISTENT_HEADS); otherwise a persistent configuration runs the ordinary
+    kernel."""
+    splits = int(re.search(r"(\d+) splits?", config).group(1))
+    return "persistent=True" in config and splits == 1 and heads <= 32
+
+
+def block_mla(data):
+    copy = data["copy_gbs"]
+    shapes, rows = {}, []
+    for r in data["mla"]:
+        shapes.setdefault(tuple(r["shape"]), []).append(r)
+    others = [mla_config(r["config"]) for r in next(iter(shapes.values()))[1:]]
+    for (b, h, length), runs in shapes.items():
+        default, rest = runs[0], runs[1:]
+        grid = "persistent grid" if persistent_grid(default["config"], h) else "ordinary grid"
+        splits = re.search(r"(\d+) splits?", default["config"]).group(0)
+        rows.append([f"B{b} H{h} L{length}", num(default["us"]), f"{default['gbs']:,.0f}", pct(default["gbs"] / copy, 1),
+                     f"{grid}, {splits}"]
+                    + [num(r.get("us")) + (" (ordinary grid)" if "persistent=True" in r["config"]
+                                           and not persistent_grid(r["config"], h) else "") for r in rest])
+    lines = table(["workload", "default µs", "GB/s", f"of copy ({copy:,.0f})", "default's grid"]
+                  + [f"{o} µs" for o in others], rows)
+    share = {shape: runs[0]["gbs"] / copy for shape, runs in shapes.items()}
+    wide = [x for (b, _, _), x in share.items() if b == 768]
+    deep = [x for (b, _, _), x in share.items() if b != 768]
+    lines += ["", target(f"B768 at ≥ 90% of the copy rate ({pct(min(wide), 1)}–{pct(max(wide), 1)}) and B64 L32768 at ≥ 80% "
+                     f"({', '.join(pct(x, 1) for x in deep)})", min(wide) >= 0.9 and min(deep) >= 0.8)]
+    return lines
+
+
+def block_training(data):
+    runs = data["training_runs"]
+    rows = []
+    for first, second in zip(runs[0], runs[1], strict=True):
+        both = (first, second)
+        rows.append([attention_workload(first)] + [" / ".join(num(r[key], 2) for r in both) for key in
+                                                    ("numattn_ms", "flash_ms", "cudnn_ms")]
+                    + [" / ".join(pct(r["flash_ms"] / r["numattn_ms"]) for r in both),
+                       " / ".join(num(r["numattn_fwd_ms"], 2) for r in both)])
+    lines = table(["workload", "numattn ms (run 1 / 2)", "SDPA flash ms", "SDPA cuDNN ms", "numattn / flash",
+                   "numattn forward alone, ms"], rows)
+    goal = [(r["flash_ms"] / r["numattn_ms"]) for run in runs for r in run
+            if tuple(r["shape"]) == (4, 32, 4096, 128) and r["causal"]]
+    rounds = data["alternating_with_flash"]["causal"]
+    alternating = [f / n for n, f in zip(rounds["numattn_ms"], rounds["flash_ms"], strict=True)]
+    lines += ["", target(f"B4 H32 L4096 D128 bf16 causal at least SDPA flash's speed: {' / '.join(pct(x) for x in goal)} "
+                         f"in the two runs, {pct(min(alternating))}–{pct(max(alternating))} in {len(alternating)} "
+                         "rounds alternating with flash", min(goal + alternating) >= 1)]
+    return lines
+
+
+def block_graph(data):
+    rows = []
+    for r in data["graph"]:
+        b = r["b"]
+        rows.append([f"b = {b}: Q ({2 * b}, 256, 64), K ({2 * b}, 64, 4096), V ({2 * b}, 4096, 64)", num(r["numattn_us"]),
+                     num(r.get("flash_us")), num(r.get("cudnn_us")), num(r.get("efficient_us")), num(r["eager_us"]),
+                     f"`{r['winner']}`", f"{r['search_s']:.1f} s / {r['cached_search_s'] * 1e3:.0f} ms",
+                     f"{r['max_error']:.1e}"])
+    lines = table(["graph (fp16)", "numattn µs", "SDPA flash", "SDPA cuDNN", "SDPA efficient", "torch eager", "winner",
+                   "search, uncached / cached", "max error"], rows)
+    parts = []
+    for r in data["graph"]:
+        best = r[f"{r['best_sdpa']}_us"]
+        parts.append((f"b = {r['b']} {r['numattn_us'] / best:.2f}× {BACKENDS[r['best_sdpa']]}'s time",
+                      r["numattn_us"] <= best))
+    lines += ["", target("at most the best SDPA backend's time at every b: "
+                         + ", ".join(f"{p} ({'met' if ok else 'not met'})" for p, ok in parts), all(ok for _, ok in parts))]
+    return lines
+
+
+def block_checked(data):
+    rows, diffs = [], []
+    for r in data["checked"]:
+        call = named_decode(r["call"])
+        call = re.sub(r"^mla B(\d+) H(\d+) L(\d+) pages of (\d+)$", r"`mla_decode` B\1 H\2 L\3, pages of \4", call)
+        call = re.sub(r"^(decode\(seqlens=\)|paged_decode) ", r"`\1` ", call)
+        per_call, loop = r["default_us"] / r["unchecked_us"] - 1, r["default_loop_us"] / r["unchecked_loop_us"] - 1
+        diffs += [per_call, loop]
+        rows.append([call, num(r["default_us"]), num(r["unchecked_us"]), f"{per_call:+.1%}", num(r["default_loop_us"]),
+                     num(r["unchecked_loop_us"]), f"{loop:+.1%}"])
+    lines = table(["call (fp16)", "default µs", "`check=False` µs", "difference", "default, in a loop",
+                   "`check=False`, in a loop", "difference"], rows)
+    lines += ["", target(f"the default within 3% of `check=False` ({min(diffs):+.1%} to {max(diffs):+.1%})",
+                         max(diffs) <= 0.03)]
+    return lines
+
+
+def block_cold_start(data):
+    run = data["runs"][-1]
+    rows = []
+    for r in run["cold_start"]:
+        rows.append([COLD_START.get(r["case"], r["case"]), num(r["cold"]["first_call_s"], 2),
+                     num(r["warm"]["first_call_s"], 3), num(r["off"]["first_call_s"], 2),
+                     f"{r['warm']['second_call_s'] * 1e3:.2f} ms", num(r["warm"]["numattn_import_s"], 2)])
+    lines = table(["first call, s", "kernel cache empty", "filled", "off", "second call", "import of numattn, s"], rows)
+    ours = [r for r in run["cold_start"] if not r["case"].startswith("torch")]
+    filled = [r["warm"]["first_call_s"] for r in ours]
+    imports = [r[k]["numattn_import_s"] for r in ours for k in ("cold", "warm", "off")]
+    attention = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("attention")]
+    decode = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("decode")]
+    steps = run["gqa_transformer_300_steps_s"]
+    ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
+    lines += ["", f"`examples/gqa_transformer.py --steps 300`: {steps['cache empty']['numattn']} s with the cache empty "
+                  f"(SDPA {steps['cache empty']['sdpa']} s), {steps['cache filled']['numattn']} s with it filled "
+                  f"(SDPA {steps['cache filled']['sdpa']} s).", "",
+              target(f"the first call with the cache filled ≤ 1 s ({min(filled) * 1e3:.0f}–{max(filled) * 1e3:.0f} ms)",
+                     max(filled) <= 1),
+              target(f"`import numattn` ≤ 1 s on top of torch and numba ({min(imports):.2f}–{max(imports):.2f} s)",
+                     max(imports) <= 1),
+              target(f"a first-ever compile ≤ 5 s per attention kernel (one kernel per call: "
+                     f"{min(attention):.2f}–{max(attention):.2f} s)", max(attention) <= 5),
+              target(f"the same for decode ({max(decode):.2f} s for the call; its kernel count was not recorded)",
+                     max(decode) <= 5),
+              target(f"the example's 300 steps with the cache filled within 1.5× SDPA's time ({ratio:.2f}×)", ratio <= 1.5)]
+    return lines
+
+
+def block_host(data):
+    attention = data["host_overhead_us"]
+    lines = table(list(HOST_ATTENTION.values()), [[num(attention.get(key), 2) for key in HOST_ATTENTION]])
+    decode = data["decode_host_overhead_us"]
+    rows = [[call, num(decode.get(small), 2), num(decode.get(split), 2) if split else ""] for call, small, split in HOST_DECODE]
+    lines += [""] + table(["decode call, µs", "B1 Hq8 Hkv2 L256 D128 fp16", "B1 Hq32 Hkv8 L8192 D128 fp16 (key splits)"],
+                          rows)
+    plan = decode["decode_plan, W3 (split)"]
+    lines += ["", target(f"a decode step on B1 Hq32 Hkv8 L8192 D128 fp16 in ≤ 10 µs of host time: a plan's call took "
+                         f"{plan:.2f} µs while `torch.add` took {decode['torch.add']:.2f}", plan <= 10)]
+    return lines
+
+
+def block_cpu(data):
+    rows = []
+    for r in data["cpu"]:
+        if r["call"] == "mirage_gqa_tutorial":
+            rows.append(["Mirage's GQA tutorial end to end: `superoptimize` in a fresh cache and the call",
+                         f"{r['seconds']:.1f} s"])
+            continue
+        what = (f"`{r['call']}` q {tuple(r['q'])}, k, v {tuple(r['kv'])} {dtype(r['dtype'])}"
+                + (", causal" if r.get("causal") else "") + (", with `seqlens`" if r.get("seqlens") else ""))
+        rows.append([what, f"{r['seconds'] * 1e3:.1f} ms"])
+    tutorial = next(r["seconds"] for r in data["cpu"] if r["call"] == "mirage_gqa_tutorial")
+    return table(["call (one warm call)", "time"], rows) + [
+        "", target(f"Mirage's tutorial, both calls, ≤ 60 s on a two-core machine ({tutorial:.1f} s)", tutorial <= 60)]
+
+
+BLOCKS = {
+    "attention": block_attention,
+    "attention-quick": block_attention_quick,
+    "decode-h200": block_decode,
+    "decode-h100": block_decode,
+    "mla": block_mla,
+    "training": block_training,
+    "graph": block_graph,
+    "checked": block_checked,
+    "cold-start": block_cold_start,
+    "host": block_host,
+    "cpu": block_cpu,
+}
+
+
+def render(name):
+    if name not in BLOCKS:
+        raise SystemExit(f"docs/benchmarks.md has a generated block {name!r} that {Path(__file__).name} does not know")
+    source = SOURCES[name]
+    data = load(source)
+    return BLOCKS[name](data) + ["", run_line(data, source)]
+
+
+def generate(text):
+    """The page with every generated block rebuilt; the names of the blocks found."""
+    found = []
+
+    def replace(match):
+        found.append(match.group(2))
+        return match.group(1) + "\n".join(render(match.group(2))) + "\n" + match.group(4)
+
+    return BLOCK.sub(replace, text), found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = parser.parse_args(argv)
+    text = PAGE.read_text()
+    new, found = generate(text)
+    missing = sorted(set(BLOCKS) - set(found))
+    if missing:
+        print(f"docs/benchmarks.md lacks the generated blocks {missing}", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != text:
+            stale = [name for name, old, fresh in zip(found, BLOCK.findall(text), BLOCK.findall(new), strict=True)
+                     if old != fresh]
+            print(f"docs/benchmarks.md is out of date (blocks: {', '.join(stale) or 'layout'}); "
+                  "run python benchmarks/page.py", file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        PAGE.write_text(new)
+        print(f"rewrote {len(found)} generated blocks of docs/benchmarks.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

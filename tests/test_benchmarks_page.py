@@ -1,0 +1,47 @@
+"""docs/benchmarks.md is what benchmarks/page.py generates from benchmarks/results/, short, and names workloads
+by their shapes (no internal labels); every stored result says how it was run."""
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "benchmarks" / "results"
+RUN_FACTS = {"date", "command", "revision", "gpu", "numattn", "torch", "cuda", "numba", "numba-cuda"}
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("benchmarks_page", ROOT / "benchmarks" / "page.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_page_is_current():
+    page = load_generator()
+    assert page.main(["--check"]) == 0, "docs/benchmarks.md is out of date: run python benchmarks/page.py"
+
+
+def test_every_block_comes_from_a_stored_result():
+    page = load_generator()
+    names = re.findall(r"<!-- generated: ([\w-]+) -->", PAGE.read_text())
+    assert sorted(names) == sorted(page.SOURCES)
+    for source in page.SOURCES.values():
+        assert (RESULTS / f"{source}.json").is_file(), source
+
+
+def test_page_is_short_and_names_workloads_by_shape():
+    text = PAGE.read_text()
+    assert len(text.splitlines()) <= 300
+    assert not re.search(r"\bW[1-8]\b", text)
+
+
+def test_stored_results_carry_their_run():
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for path in files:
+        run = json.loads(path.read_text())["run"]
+        assert RUN_FACTS <= set(run), f"{path.name} lacks {sorted(RUN_FACTS - set(run))}"
+        assert run["date"] and run["revision"], path.name
