@@ -724,7 +724,7 @@ def main(args):
         for name, us in results["decode_host_overhead_us"].items():
             print(f"  {name:32} {us:7.2f}")
     if args.mla:
-        from numattn.kernels.mla import MlaConfig
+        from numattn.configs.mla import MlaConfig
 
         results["copy_gbs"] = copy_gbs()
         # the default, the wgmma kernel's shared schedule on either grid and its other score schedule

@@ -17,9 +17,14 @@ numba.cuda.dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compu
 
 from numba import cuda, types  # noqa: E402
 
-from numattn.kernels.attention_mma import choose_mma_config, mma_attention_kernel  # noqa: E402
-from numattn.kernels.attention_simt import SimtConfig, simt_attention_kernel  # noqa: E402
-from numattn.kernels.attention_wgmma import choose_wgmma_config, wgmma_attention_kernel  # noqa: E402
+from numattn.configs.attention import (
+    SimtConfig,  # noqa: E402
+    choose_mma_config,  # noqa: E402
+    choose_wgmma_config,  # noqa: E402
+)
+from numattn.kernels.attention_mma import mma_attention_kernel  # noqa: E402
+from numattn.kernels.attention_simt import simt_attention_kernel  # noqa: E402
+from numattn.kernels.attention_wgmma import wgmma_attention_kernel  # noqa: E402
 from numattn.kernels.decode import decode_kernel, decode_mma_kernel  # noqa: E402
 
 SIGNATURE = {

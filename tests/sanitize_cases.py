@@ -48,7 +48,7 @@ MLA_CASES = [  # dtype, batch, heads, rank, rope, max_seqlen, page_size, configu
 
 
 def run_mla_cases(rng):
-    from numattn.kernels.mla import MlaConfig
+    from numattn.configs.mla import MlaConfig
     from numattn.ops import mla as module
 
     configs = {"duplicated": MlaConfig(32, 3, 8, "duplicated", True), "64-row": MlaConfig(64, 2, 8, "duplicated", True),
@@ -76,7 +76,7 @@ def run_mla_cases(rng):
 def run_split_cases(rng):
     """The ``mma.sync`` kernel over runs of keys merged by each query tile's last block, K stored as rows of keys or
     transposed (keys contiguous, the last run of 8 keys partial)."""
-    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.configs.attention import MmaConfig
     from numattn.ops.attention import _make_plan, _validate
 
     for causal in (False, True):

@@ -158,7 +158,7 @@ def test_any_small_problem(rng, group, heads_kv, seqlen_q, seqlen_kv, head_dim, 
 )
 def test_tensor_core_configurations(rng, monkeypatch, fresh_plans, config):
     """The tensor-core kernel's other tile configurations (the GPU's defaults are larger)."""
-    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.configs.attention import MmaConfig
     from numattn.ops import attention as module
 
     monkeypatch.setattr(module, "choose_mma_config", lambda *args: MmaConfig(**config))
@@ -181,7 +181,7 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     view (element stores), or, when head_dim_v > head_dim, stored from registers."""
     import torch
 
-    from numattn.kernels.attention_wgmma import WgmmaConfig
+    from numattn.configs.attention import WgmmaConfig
     from numattn.ops import attention as module
 
     monkeypatch.setattr(module, "_default_config", lambda *args: WgmmaConfig(**config))
@@ -271,7 +271,8 @@ def test_cluster_merge_stages_and_merges_a_tile(rng, causal):
     """The key-split kernel's cluster merge (sm_90) in the simulator's cluster of one block: each block stages
     its partials in shared memory and merges its tile's rows from there (40 rows: the second 32-row tile
     is part padding). The GPU tests run clusters of 2 to 8 blocks."""
-    from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+    from numattn.configs.attention import MmaConfig
+    from numattn.kernels.attention_mma import mma_attention_kernel
     from numattn.kernels.constants import LOG2E
     from numattn.kernels.launch import compiled
     from numattn.kernels.split_merge import cluster_stage_bytes

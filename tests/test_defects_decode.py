@@ -7,9 +7,8 @@ import pytest
 
 import numattn
 from numattn import reference
-from numattn.kernels.attention_mma import MmaConfig
-from numattn.kernels.attention_simt import SimtConfig
-from numattn.kernels.mla import SHARED_LIMITS, MlaConfig, mla_candidates
+from numattn.configs.attention import MmaConfig, SimtConfig
+from numattn.configs.mla import SHARED_LIMITS, MlaConfig, mla_candidates
 from numattn.ops import attention as attention_module
 from numattn.ops import mla as mla_module
 

@@ -74,7 +74,7 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
     """The mma.sync kernel over 1 to 16 runs of keys, merged in thread-block clusters (2 to 8 runs, sm_90) and
     by each query tile's last block; 150 query rows end mid-tile, 419 keys mid-run; the output is
     poisoned first."""
-    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.configs.attention import MmaConfig
     from numattn.ops.attention import _attention_kernel, _make_plan, _validate
 
     q = torch.from_numpy(rng.standard_normal((2, 4, 150, 64), dtype=np.float32)).to("cuda", torch.float16)

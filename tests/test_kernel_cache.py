@@ -8,8 +8,9 @@ import warnings
 
 import pytest
 
+from numattn.configs.attention import MmaConfig
 from numattn.kernels import kernel_cache
-from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+from numattn.kernels.attention_mma import mma_attention_kernel
 
 pytestmark = pytest.mark.sim
 

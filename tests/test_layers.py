@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "numattn"
 LAYERS = [
     ("numattn._cuda", "numattn._version", "numattn._arrays", "numattn.reference"),
     ("numattn.kernels",),
+    ("numattn.configs",),
     ("numattn.tuning",),
     ("numattn.ops",),
     ("numattn.search",),

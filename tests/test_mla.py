@@ -7,7 +7,7 @@ import torch
 
 import numattn
 from numattn import reference
-from numattn.kernels.mla import SHARED_LIMITS, MlaConfig, mla_candidates, mla_default_config, mla_shared_bytes
+from numattn.configs.mla import SHARED_LIMITS, MlaConfig, mla_candidates, mla_default_config, mla_shared_bytes
 from numattn.ops import mla as module
 
 from conftest import ATOL

@@ -189,7 +189,7 @@ def test_tutorial_on_gpu_with_torch(tmp_path, monkeypatch):
 def test_key_split_attention_plans_match_reference(rng, causal, transposed):
     """The mma.sync kernel over runs of keys, merged by the combine kernel (a search candidate), with K
     stored as rows of keys or transposed (keys contiguous, read by runs of 8 keys: 75 keys end mid-run)."""
-    from numattn.kernels.attention_mma import MmaConfig
+    from numattn.configs.attention import MmaConfig
     from numattn.ops.attention import _make_plan, _validate
 
     q = rng.uniform(-1, 1, (1, 2, 20, 32)).astype(np.float16)
@@ -314,7 +314,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
 def test_mla_tuning_candidates_hold_the_default(rng):
     """Tuning mla_decode also tries the default's persistent grid (on sm_90, the simulator's), without key
     splits only, where it takes the heads (at most 32); the other candidates with the split counts."""
-    from numattn.kernels.mla import mla_default_config
+    from numattn.configs.mla import mla_default_config
     from numattn.search.functional import _mla_candidates
 
     def halves(*shape):
@@ -336,7 +336,6 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch, fresh_plans):
     (MLA's candidates narrowed to the two sm_90 block_n 64 schedules: each configuration compiles for a while.)"""
     import torch
 
-    from numattn.kernels import mla as mla_kernels
     from numattn.ops import decode as decode_module
     from numattn.ops import mla as mla_module
     from numattn.tuning.store import tuned_config
@@ -360,8 +359,8 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch, fresh_plans):
     table_pages = torch.randperm(pages, device="cuda")[:600].reshape(batch, 300).int()
     lengths = torch.tensor([300, 211], device="cuda", dtype=torch.int32)
     args = (q_nope, q_pe, ckv, kpe, table_pages, lengths)
-    every = mla_kernels.mla_candidates
-    monkeypatch.setattr(mla_kernels, "mla_candidates", lambda *a: [c for c in every(*a) if c.block_n == 64])
+    every = mla_module.mla_candidates
+    monkeypatch.setattr(mla_module, "mla_candidates", lambda *a: [c for c in every(*a) if c.block_n == 64])
     table = mi.tune(mi.mla_decode, *args, scale=0.1, profile_iters=20)
     verified = [row for row in table if row["verified"]]
     assert len(verified) >= 2 and all(row["seconds"] > 0 for row in verified)
@@ -379,8 +378,7 @@ def test_configurations_that_would_spill_are_pruned_before_compiling():
     """Register pressure against ptxas's counts (sm_90, fp16, 2026-11-23): configurations that compiled
     without spilling fit; those that spilled are pruned with the reason; the heuristics pick neither
     a configuration that spills nor one beyond the shared memory of sm_80, sm_86 or sm_90."""
-    from numattn.kernels.attention_mma import MmaConfig, choose_mma_config
-    from numattn.kernels.attention_wgmma import WgmmaConfig, choose_wgmma_config
+    from numattn.configs.attention import MmaConfig, WgmmaConfig, choose_mma_config, choose_wgmma_config
     from numattn.kernels.launch import device_limits
     from numattn.ops.attention import _misfit, _validate
 

@@ -103,7 +103,7 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
 def test_warpgroup_gradients():
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
     two query tiles, two key blocks, causal with partial tiles."""
-    from numattn.kernels.attention_backward_wgmma import BackwardWgmmaConfig
+    from numattn.configs.backward import BackwardWgmmaConfig
     from numattn.ops.backward import backward_config
 
     assert isinstance(backward_config("bfloat16", 64, 64), BackwardWgmmaConfig)

@@ -11,8 +11,9 @@ import shutil
 import tempfile
 
 import numattn
+from numattn.configs.attention import MmaConfig
 from numattn.kernels import kernel_cache
-from numattn.kernels.attention_mma import MmaConfig, mma_attention_kernel
+from numattn.kernels.attention_mma import mma_attention_kernel
 
 
 class KernelCacheHit:

@@ -29,7 +29,7 @@ class MlaDecode:
         self.bytes = 2 * batch * (heads * (512 + 64 + 512) + seqlen * (512 + 64))
         self.call = lambda: numattn.mla_decode(*self.args, scale=0.1, check=False)
         if kernel != "default":
-            from numattn.kernels.mla import MlaConfig
+            from numattn.configs.mla import MlaConfig
             from numattn.ops.mla import _TorchPlan, _validate
 
             if torch.cuda.get_device_capability() != (9, 0):

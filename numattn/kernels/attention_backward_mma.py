@@ -26,8 +26,6 @@ nothing to dK or dV and their dQ rows are not written.
 """
 
 import functools
-import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import float32, uint16, uint32
@@ -50,73 +48,6 @@ from .tiles import NARROW, PAD, key_block, row_major_cell, tile_copier, tile_vie
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
-
-
-@dataclass(frozen=True)
-class BackwardMmaConfig:
-    """Tile configuration of the tensor-core backward: ``num_warps`` warps of 16 keys each, query tiles of
-    ``block_m`` rows through ``stages`` shared-memory buffers."""
-
-    block_m: int = 64
-    num_warps: int = 8
-    stages: int = 2
-
-    def __post_init__(self):
-        if self.block_m % 16 or not 16 <= self.block_m <= 128 or not 1 <= self.num_warps <= 16 or not 2 <= self.stages <= 4:
-            raise ValueError(f"inconsistent backward tile configuration {self}")
-
-    @property
-    def block_n(self):
-        return 16 * self.num_warps
-
-    @property
-    def num_threads(self):
-        return 32 * self.num_warps
-
-    @property
-    def dq_warps(self):
-        """``(row_warps, col_warps)``: the warps' grid over a query tile's dQ (m16 tiles × head-dim columns)."""
-        rows = math.gcd(self.num_warps, self.block_m // 16)
-        return rows, self.num_warps // rows
-
-    def fits(self, head_dim):
-        """Whether each warp's share of dQ's columns is a whole number of 16-column steps."""
-        return head_dim % (16 * self.dq_warps[1]) == 0
-
-    def shared_bytes(self, head_dim, head_dim_v):
-        """K and V tiles, ``stages`` Q and dO tiles, the dSᵀ tile (16-bit, padded rows), and per stage the
-        tile's rows of lse₂ and delta (float32)."""
-        n, m = self.block_n, self.block_m
-        halves = n * (head_dim + PAD) + n * (head_dim_v + PAD) + n * (m + PAD)
-        halves += self.stages * m * (head_dim + PAD + head_dim_v + PAD)
-        return 2 * halves + 4 * self.stages * 2 * m
-
-
-def backward_mma_supported(dtype, head_dim, head_dim_v):
-    """Whether the tensor-core backward takes this dtype and these head dims."""
-    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
-
-
-# Per head-dim class, candidates in order of preference; the first that fits the device is used.
-_CANDIDATES = {
-    64: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4)),
-    128: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4), BackwardMmaConfig(32, 4)),
-    256: (BackwardMmaConfig(32, 4), BackwardMmaConfig(16, 4)),
-}
-
-
-def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
-    """The first candidate for these head dims that fits the shared memory (in the simulator the
-    smallest tile), or None."""
-    if simulator:
-        candidates = (BackwardMmaConfig(16, 1),)
-    else:
-        widest = max(head_dim, head_dim_v)
-        candidates = _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]
-    for config in candidates:
-        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
-            return config
-    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,6 @@ Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligne
 """
 
 import functools
-from dataclasses import dataclass
 
 from numba import float32, uint16, uint32
 
@@ -60,59 +59,6 @@ from .tiles import key_block, sw128_cell, tile_copier, tile_view
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 STAGES = 2
 DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8-byte stores free of bank conflicts
-
-
-@dataclass(frozen=True)
-class BackwardWgmmaConfig:
-    """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
-    shared-memory buffers for the dQ tiles on their way to the float32 accumulator."""
-
-    warpgroups: int = 2
-    dq_stages: int = 2
-
-    def __post_init__(self):
-        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2):
-            raise ValueError(f"inconsistent wgmma backward configuration {self}")
-
-    @property
-    def block_n(self):
-        return 64 * self.warpgroups
-
-    @property
-    def block_m(self):
-        return BLOCK_M
-
-    @property
-    def num_threads(self):
-        return 128 * self.warpgroups
-
-    def fits(self, head_dim):
-        """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""
-        return head_dim % (64 * self.warpgroups) == 0
-
-    def shared_bytes(self, head_dim, head_dim_v):
-        """K, V, two stages of Q and dO, the dS tile (16-bit), two stages of lse₂ and delta rows and the
-        dQ tiles (float32), and slack to align the swizzled tiles."""
-        n = self.block_n
-        halves = n * (head_dim + head_dim_v) + STAGES * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
-        dq_tiles = self.dq_stages * BLOCK_M * (head_dim + DQ_PAD)
-        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
-
-
-def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
-    """Whether the wgmma backward takes this dtype and these head dims on a GPU of compute capability ``cc``."""
-    return cc == (9, 0) and dtype in ("float16", "bfloat16") and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
-
-
-def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
-    """Two warpgroups where they fit (registers: head dims up to 128), else one, each with two dQ buffers
-    where they fit, else one; None if nothing fits."""
-    groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
-    candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
-    for config in candidates:
-        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
-            return config
-    return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,6 @@ rows, and head dims that are multiples of 16.
 """
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 from numba import float32, uint16, uint32
@@ -45,108 +44,9 @@ from .ptx import (
     pack_f16x2,
 )
 from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
-from .tiles import query_block, row_major_cell, tile_copier, tile_view
+from .tiles import PAD, query_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
-PAD = 8  # elements added to every shared-memory row
-
-
-@dataclass(frozen=True)
-class MmaConfig:
-    """Tile configuration of the tensor-core kernel.
-
-    ``num_warps`` warps each own ``warp_m`` m16 tiles of query rows, so
-    ``block_m = 16 · warp_m · num_warps``; keys stream in tiles of ``block_n``
-    through ``stages`` shared-memory buffers (``stages - 1`` tiles in flight).
-    With ``q_in_registers`` a warp keeps its Q fragments in registers for the
-    whole kernel, otherwise it re-reads them from shared memory per key tile.
-    """
-
-    block_n: int = 64
-    num_warps: int = 4
-    warp_m: int = 1
-    q_in_registers: bool = True
-    stages: int = 2
-
-    def __post_init__(self):
-        if (
-            self.block_n % 16
-            or not 1 <= self.num_warps <= 16
-            or self.warp_m not in (1, 2, 4)
-            or not 2 <= self.stages <= 4
-        ):
-            raise ValueError(f"inconsistent tensor-core tile configuration {self}")
-
-    @property
-    def block_m(self):
-        return 16 * self.warp_m * self.num_warps
-
-    @property
-    def num_threads(self):
-        return 32 * self.num_warps
-
-    def shared_bytes(self, head_dim, head_dim_v, k_transposed=False):
-        """Q tile plus ``stages`` K and V tiles, 16-bit elements, padded rows (K as ``head_dim`` rows of
-        keys when ``k_transposed``)."""
-        q = self.block_m * (head_dim + PAD)
-        k = head_dim * (self.block_n + PAD) if k_transposed else self.block_n * (head_dim + PAD)
-        return 2 * (q + self.stages * (k + self.block_n * (head_dim_v + PAD)))
-
-    def register_pressure(self, head_dim, head_dim_v):
-        """Registers per thread the kernel asks for, a linear fit to ptxas's counts (calibration below):
-        per m16 tile a warp owns, its output accumulator (``head_dim_v``), its Q fragments when kept in
-        registers (``head_dim``) and a key tile's scores (``block_n``); plus the tile's copies. Past
-        255 it is no count: ptxas fitted pressures up to about 280 into its 255 registers."""
-        per_tile = 0.58 * head_dim_v + (0.18 * head_dim if self.q_in_registers else 0) + 0.45 * self.block_n
-        return round(78 + self.warp_m * per_tile + 0.35 * self.block_n)
-
-    @property
-    def register_pressure_limit(self):
-        """The ``register_pressure`` above which configurations spilled (calibration below)."""
-        return REGISTER_PRESSURE_LIMIT
-
-
-# Calibration (ptxas 13, sm_90, fp16, causal with LSE, 2026-11-23; head dim 64: block_n 16–128, 1, 4
-# and 8 warps, warp_m 1, 2 and 4; head dims 128 and 256: 4 warps, warp_m 1 and 2; Q in registers or
-# not): no configuration put at 278 or less spilled; every one put at 295 or more spilled 100 bytes
-# or more; in between, a few words or none.
-REGISTER_PRESSURE_LIMIT = 285
-
-
-def mma_supported(dtype, head_dim, head_dim_v):
-    """Whether the tensor-core kernel takes this dtype and these head dims."""
-    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
-
-
-# Per head-dim class, candidates in order of preference; the first that fits the
-# device's shared memory and the registers is used. Measured on an H200 (docs/benchmarks.md).
-_CANDIDATES = {
-    64: (MmaConfig(64, 4, 2, True), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
-    128: (MmaConfig(32, 4, 2, False), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
-    256: (MmaConfig(64, 8, 1, False), MmaConfig(32, 8, 1, False), MmaConfig(32, 4, 1, False), MmaConfig(16, 4, 1, False)),
-}
-
-
-# Blocks of 16 and 32 query rows, for grids short of query blocks (a tuner's candidates, after the heuristic's)
-_SHORT_QUERY_BLOCKS = (MmaConfig(64, 2, 1, True), MmaConfig(64, 1, 1, True))
-
-
-def mma_configs(head_dim, head_dim_v):
-    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
-    widest = max(head_dim, head_dim_v)
-    return _CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256] + _SHORT_QUERY_BLOCKS
-
-
-def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
-    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
-    and the registers."""
-    if simulator:
-        return MmaConfig(block_n=16, num_warps=1)
-    for config in mma_configs(head_dim, head_dim_v):
-        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
-                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
-            return config
-    return MmaConfig(block_n=16, num_warps=1)
 
 
 @functools.lru_cache(maxsize=None)

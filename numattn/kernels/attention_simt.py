@@ -22,7 +22,6 @@ output and LSE NaN: ``exp2`` turns it into a NaN row sum, whether or not the row
 
 import functools
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from numba import float32
@@ -38,56 +37,6 @@ _ONE = np.float32(1.0)
 
 def _cdiv(a, b):
     return -(-a // b)
-
-
-@dataclass(frozen=True)
-class SimtConfig:
-    """Tile configuration of the SIMT kernel."""
-
-    block_m: int = 64
-    block_n: int = 64
-    num_threads: int = 128
-    threads_n: int = 8
-
-    def __post_init__(self):
-        threads_m, rest = divmod(self.num_threads, self.threads_n)
-        if rest or self.block_m % threads_m or self.block_n % self.threads_n:
-            raise ValueError(f"inconsistent SIMT tile configuration {self}")
-
-    def shared_words(self, head_dim, head_dim_v):
-        """fp32 words of shared memory: Q, K, V, P tiles and the row-max exchange."""
-        vcols = _cdiv(head_dim_v, self.threads_n) * self.threads_n
-        return (
-            self.block_m * (head_dim + 1)
-            + self.block_n * (head_dim + 1)
-            + self.block_n * vcols
-            + self.block_m * (self.block_n + 1)
-            + self.block_m * self.threads_n
-        )
-
-    def shared_bytes(self, head_dim, head_dim_v):
-        return 4 * self.shared_words(head_dim, head_dim_v)
-
-
-def simt_configs(head_dim, head_dim_v):
-    """The tile configurations worth trying for these head dims, largest tiles first."""
-    widest = max(head_dim, head_dim_v)
-    if widest <= 64:
-        return (SimtConfig(64, 64, 128, 8), SimtConfig(64, 32, 128, 8))
-    if widest <= 128:
-        return (SimtConfig(64, 32, 128, 8), SimtConfig(32, 32, 128, 8))
-    return (SimtConfig(32, 32, 128, 16), SimtConfig(32, 16, 128, 16))
-
-
-def choose_simt_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
-    """Heuristic tile choice: the largest tiles that fit ``max_shared_bytes``."""
-    if simulator:
-        # Each simulated thread is a Python thread: few of them, small tiles.
-        return SimtConfig(block_m=16, block_n=16, num_threads=8, threads_n=2)
-    for config in simt_configs(head_dim, head_dim_v):
-        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
-            return config
-    return SimtConfig(16, 16, 32, 4)
 
 
 @functools.lru_cache(maxsize=None)

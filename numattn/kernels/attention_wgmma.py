@@ -24,7 +24,6 @@ contiguous, 16-byte aligned rows.
 """
 
 import functools
-from dataclasses import dataclass
 
 from numba import float32, int64, uint16, uint32
 
@@ -54,94 +53,6 @@ from .ptx import (
     wgmma_wait,
 )
 from .tiles import query_block, sw128_cell, tile_copier, tile_view
-
-
-@dataclass(frozen=True)
-class WgmmaConfig:
-    """Tile configuration of the wgmma kernel.
-
-    ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
-    keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers.
-    """
-
-    block_n: int = 128
-    warpgroups: int = 2
-    stages: int = 3
-
-    def __post_init__(self):
-        if self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3 or not 2 <= self.stages <= 4:
-            raise ValueError(f"inconsistent wgmma tile configuration {self}")
-
-    @property
-    def block_m(self):
-        return 64 * self.warpgroups
-
-    @property
-    def num_threads(self):
-        return 128 * self.warpgroups
-
-    @property
-    def max_registers(self):
-        """Registers per thread that let one block fit: each of an SM's four schedulers holds 16K."""
-        warps_per_scheduler = -(-self.num_threads // 128)
-        return min(255, 16384 // (32 * warps_per_scheduler) // 8 * 8)
-
-    def register_pressure(self, head_dim, head_dim_v):
-        """Registers per thread the kernel asks for, a linear fit to ptxas's counts with two
-        warpgroups (calibration below): a thread's share of the 64-row output accumulator
-        (``head_dim_v``), of a key tile's scores and P fragments (``block_n``)."""
-        return round(48 + 0.59 * head_dim_v + 0.85 * self.block_n)
-
-    @property
-    def register_pressure_limit(self):
-        """The ``register_pressure`` above which configurations spilled at ``max_registers``."""
-        return self.max_registers + REGISTER_SLACK
-
-    def shared_bytes(self, head_dim, head_dim_v):
-        """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
-        return 2 * (self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
-
-
-# Calibration (ptxas 13, sm_90a, fp16, causal with LSE, 3 stages, 2026-11-23; head dims 64, 128 and
-# 256, block_n 32–128, one to three warpgroups, compiled at ``max_registers``): with three warpgroups
-# (168 registers) pressures up to 178 compiled without spilling and 195 and more spilled 52 bytes or
-# more; with two (255), 254 without spilling and 281 spilled 184 bytes.
-REGISTER_SLACK = 12
-
-
-def wgmma_supported(dtype, head_dim, head_dim_v, cc):
-    """Whether the wgmma kernel takes this dtype and these head dims on a GPU of compute capability ``cc``."""
-    return (
-        cc == (9, 0)
-        and dtype in ("float16", "bfloat16")
-        and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
-    )
-
-
-# Per widest head dim, candidates in order of preference; the first that fits
-# the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md).
-_CANDIDATES = {
-    64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
-    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
-    192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
-    256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
-}
-
-
-def wgmma_configs(head_dim, head_dim_v):
-    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
-    return _CANDIDATES[max(head_dim, head_dim_v)]
-
-
-def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
-    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
-    and the registers."""
-    candidates = wgmma_configs(head_dim, head_dim_v)
-    for config in candidates:
-        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
-                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
-            return config
-    return candidates[-1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,27 +28,23 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
-from ..kernels import cpu
-from ..kernels.attention_mma import (
+from ..configs.attention import (
     MmaConfig,
+    SimtConfig,
+    WgmmaConfig,
     choose_mma_config,
-    mma_attention_kernel,
+    choose_simt_config,
+    choose_wgmma_config,
     mma_configs,
     mma_supported,
-)
-from ..kernels.attention_simt import (
-    SimtConfig,
-    choose_simt_config,
-    simt_attention_kernel,
     simt_configs,
-)
-from ..kernels.attention_wgmma import (
-    WgmmaConfig,
-    choose_wgmma_config,
-    wgmma_attention_kernel,
     wgmma_configs,
     wgmma_supported,
 )
+from ..kernels import cpu
+from ..kernels.attention_mma import mma_attention_kernel
+from ..kernels.attention_simt import simt_attention_kernel
+from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
 from ..kernels.split_merge import CLUSTER_SPLITS, MAX_SPLITS, cluster_stage_bytes

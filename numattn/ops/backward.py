@@ -16,20 +16,18 @@ from numba import types
 
 from .._arrays import describe, host_storage, storage_dtype
 from .._cuda import SIMULATOR, simulating
-from ..kernels import cpu
-from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
-from ..kernels.attention_backward_mma import (
+from ..configs.backward import (
     BackwardMmaConfig,
-    backward_mma_kernel,
-    backward_mma_supported,
-    choose_backward_config,
-)
-from ..kernels.attention_backward_wgmma import (
     BackwardWgmmaConfig,
-    backward_wgmma_kernel,
+    backward_mma_supported,
     backward_wgmma_supported,
+    choose_backward_config,
     choose_backward_wgmma_config,
 )
+from ..kernels import cpu
+from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
+from ..kernels.attention_backward_mma import backward_mma_kernel
+from ..kernels.attention_backward_wgmma import backward_wgmma_kernel
 from ..kernels.compile_ahead import KernelSpec, compile_ahead, enabled
 from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits

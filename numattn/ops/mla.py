@@ -25,18 +25,12 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, simulating
+from ..configs.mla import mla_candidates, mla_config_error, mla_default_config, mla_shared_bytes
 from ..kernels import cpu
 from ..kernels.constants import LOG2E
 from ..kernels.decode import NUM_THREADS
 from ..kernels.launch import array_fields, compiled, device_limits
-from ..kernels.mla import (
-    HEAD_ROWS,
-    mla_candidates,
-    mla_config_error,
-    mla_decode_kernel,
-    mla_default_config,
-    mla_shared_bytes,
-)
+from ..kernels.mla import HEAD_ROWS, mla_decode_kernel
 from ..kernels.mla_wgmma import PERSISTENT_HEADS
 from ..kernels.split_merge import MAX_SPLITS, combine_kernel
 from ..tuning.models import split_candidates, split_count

@@ -27,10 +27,8 @@ except ImportError:  # Windows
     fcntl = None
     import msvcrt
 
-from ..kernels.attention_mma import MmaConfig
-from ..kernels.attention_simt import SimtConfig
-from ..kernels.attention_wgmma import WgmmaConfig
-from ..kernels.mla import MlaConfig
+from ..configs.attention import MmaConfig, SimtConfig, WgmmaConfig
+from ..configs.mla import MlaConfig
 from ..kernels.split_merge import MAX_SPLITS
 
 _CONFIGS = {c.__name__: c for c in (MmaConfig, SimtConfig, WgmmaConfig, MlaConfig)}

@@ -1,0 +1,255 @@
+"""Tile configurations of the attention forward kernels: per kernel family its configuration class, the
+candidates worth trying, the register estimate and device fit, and the heuristic's default choice.
+The kernels (``kernels/attention_*.py``) take a configuration and read its fields."""
+
+from dataclasses import dataclass
+
+from ..kernels.ptx import SW128_ALIGN
+from ..kernels.tiles import PAD
+
+# --------------------------------------------------------------------------
+# CUDA-core (SIMT) kernel: fp32 and what the tensor cores do not take
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SimtConfig:
+    """Tile configuration of the SIMT kernel."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_threads: int = 128
+    threads_n: int = 8
+
+    def __post_init__(self):
+        threads_m, rest = divmod(self.num_threads, self.threads_n)
+        if rest or self.block_m % threads_m or self.block_n % self.threads_n:
+            raise ValueError(f"inconsistent SIMT tile configuration {self}")
+
+    def shared_words(self, head_dim, head_dim_v):
+        """fp32 words of shared memory: Q, K, V, P tiles and the row-max exchange."""
+        vcols = -(-head_dim_v // self.threads_n) * self.threads_n
+        return (
+            self.block_m * (head_dim + 1)
+            + self.block_n * (head_dim + 1)
+            + self.block_n * vcols
+            + self.block_m * (self.block_n + 1)
+            + self.block_m * self.threads_n
+        )
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        return 4 * self.shared_words(head_dim, head_dim_v)
+
+
+def simt_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, largest tiles first."""
+    widest = max(head_dim, head_dim_v)
+    if widest <= 64:
+        return (SimtConfig(64, 64, 128, 8), SimtConfig(64, 32, 128, 8))
+    if widest <= 128:
+        return (SimtConfig(64, 32, 128, 8), SimtConfig(32, 32, 128, 8))
+    return (SimtConfig(32, 32, 128, 16), SimtConfig(32, 16, 128, 16))
+
+
+def choose_simt_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
+    """Heuristic tile choice: the largest tiles that fit ``max_shared_bytes``."""
+    if simulator:
+        # Each simulated thread is a Python thread: few of them, small tiles.
+        return SimtConfig(block_m=16, block_n=16, num_threads=8, threads_n=2)
+    for config in simt_configs(head_dim, head_dim_v):
+        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return SimtConfig(16, 16, 32, 4)
+
+
+# --------------------------------------------------------------------------
+# Tensor cores, mma.sync (sm_80 and later)
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """Tile configuration of the tensor-core kernel.
+
+    ``num_warps`` warps each own ``warp_m`` m16 tiles of query rows, so
+    ``block_m = 16 · warp_m · num_warps``; keys stream in tiles of ``block_n``
+    through ``stages`` shared-memory buffers (``stages - 1`` tiles in flight).
+    With ``q_in_registers`` a warp keeps its Q fragments in registers for the
+    whole kernel, otherwise it re-reads them from shared memory per key tile.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    warp_m: int = 1
+    q_in_registers: bool = True
+    stages: int = 2
+
+    def __post_init__(self):
+        if (
+            self.block_n % 16
+            or not 1 <= self.num_warps <= 16
+            or self.warp_m not in (1, 2, 4)
+            or not 2 <= self.stages <= 4
+        ):
+            raise ValueError(f"inconsistent tensor-core tile configuration {self}")
+
+    @property
+    def block_m(self):
+        return 16 * self.warp_m * self.num_warps
+
+    @property
+    def num_threads(self):
+        return 32 * self.num_warps
+
+    def shared_bytes(self, head_dim, head_dim_v, k_transposed=False):
+        """Q tile plus ``stages`` K and V tiles, 16-bit elements, padded rows (K as ``head_dim`` rows of
+        keys when ``k_transposed``)."""
+        q = self.block_m * (head_dim + PAD)
+        k = head_dim * (self.block_n + PAD) if k_transposed else self.block_n * (head_dim + PAD)
+        return 2 * (q + self.stages * (k + self.block_n * (head_dim_v + PAD)))
+
+    def register_pressure(self, head_dim, head_dim_v):
+        """Registers per thread the kernel asks for, a linear fit to ptxas's counts (calibration below):
+        per m16 tile a warp owns, its output accumulator (``head_dim_v``), its Q fragments when kept in
+        registers (``head_dim``) and a key tile's scores (``block_n``); plus the tile's copies. Past
+        255 it is no count: ptxas fitted pressures up to about 280 into its 255 registers."""
+        per_tile = 0.58 * head_dim_v + (0.18 * head_dim if self.q_in_registers else 0) + 0.45 * self.block_n
+        return round(78 + self.warp_m * per_tile + 0.35 * self.block_n)
+
+    @property
+    def register_pressure_limit(self):
+        """The ``register_pressure`` above which configurations spilled (calibration below)."""
+        return REGISTER_PRESSURE_LIMIT
+
+
+# Calibration (ptxas 13, sm_90, fp16, causal with LSE, 2026-11-23; head dim 64: block_n 16–128, 1, 4
+# and 8 warps, warp_m 1, 2 and 4; head dims 128 and 256: 4 warps, warp_m 1 and 2; Q in registers or
+# not): no configuration put at 278 or less spilled; every one put at 295 or more spilled 100 bytes
+# or more; in between, a few words or none.
+REGISTER_PRESSURE_LIMIT = 285
+
+
+def mma_supported(dtype, head_dim, head_dim_v):
+    """Whether the tensor-core kernel takes this dtype and these head dims."""
+    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
+
+
+# Per head-dim class, candidates in order of preference; the first that fits the
+# device's shared memory and the registers is used. Measured on an H200 (docs/benchmarks.md).
+_MMA_CANDIDATES = {
+    64: (MmaConfig(64, 4, 2, True), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
+    128: (MmaConfig(32, 4, 2, False), MmaConfig(64, 4, 1, True), MmaConfig(32, 4, 1, True)),
+    256: (MmaConfig(64, 8, 1, False), MmaConfig(32, 8, 1, False), MmaConfig(32, 4, 1, False), MmaConfig(16, 4, 1, False)),
+}
+
+
+# Blocks of 16 and 32 query rows, for grids short of query blocks (a tuner's candidates, after the heuristic's)
+_SHORT_QUERY_BLOCKS = (MmaConfig(64, 2, 1, True), MmaConfig(64, 1, 1, True))
+
+
+def mma_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
+    widest = max(head_dim, head_dim_v)
+    return _MMA_CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256] + _SHORT_QUERY_BLOCKS
+
+
+def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
+    and the registers."""
+    if simulator:
+        return MmaConfig(block_n=16, num_warps=1)
+    for config in mma_configs(head_dim, head_dim_v):
+        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
+                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
+            return config
+    return MmaConfig(block_n=16, num_warps=1)
+
+
+# --------------------------------------------------------------------------
+# Tensor cores, warpgroup wgmma (sm_90)
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WgmmaConfig:
+    """Tile configuration of the wgmma kernel.
+
+    ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
+    keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers.
+    """
+
+    block_n: int = 128
+    warpgroups: int = 2
+    stages: int = 3
+
+    def __post_init__(self):
+        if self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3 or not 2 <= self.stages <= 4:
+            raise ValueError(f"inconsistent wgmma tile configuration {self}")
+
+    @property
+    def block_m(self):
+        return 64 * self.warpgroups
+
+    @property
+    def num_threads(self):
+        return 128 * self.warpgroups
+
+    @property
+    def max_registers(self):
+        """Registers per thread that let one block fit: each of an SM's four schedulers holds 16K."""
+        warps_per_scheduler = -(-self.num_threads // 128)
+        return min(255, 16384 // (32 * warps_per_scheduler) // 8 * 8)
+
+    def register_pressure(self, head_dim, head_dim_v):
+        """Registers per thread the kernel asks for, a linear fit to ptxas's counts with two
+        warpgroups (calibration below): a thread's share of the 64-row output accumulator
+        (``head_dim_v``), of a key tile's scores and P fragments (``block_n``)."""
+        return round(48 + 0.59 * head_dim_v + 0.85 * self.block_n)
+
+    @property
+    def register_pressure_limit(self):
+        """The ``register_pressure`` above which configurations spilled at ``max_registers``."""
+        return self.max_registers + REGISTER_SLACK
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
+        return 2 * (self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
+
+
+# Calibration (ptxas 13, sm_90a, fp16, causal with LSE, 3 stages, 2026-11-23; head dims 64, 128 and
+# 256, block_n 32–128, one to three warpgroups, compiled at ``max_registers``): with three warpgroups
+# (168 registers) pressures up to 178 compiled without spilling and 195 and more spilled 52 bytes or
+# more; with two (255), 254 without spilling and 281 spilled 184 bytes.
+REGISTER_SLACK = 12
+
+
+def wgmma_supported(dtype, head_dim, head_dim_v, cc):
+    """Whether the wgmma kernel takes this dtype and these head dims on a GPU of compute capability ``cc``."""
+    return (
+        cc == (9, 0)
+        and dtype in ("float16", "bfloat16")
+        and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
+    )
+
+
+# Per widest head dim, candidates in order of preference; the first that fits
+# the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md).
+_WGMMA_CANDIDATES = {
+    64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
+    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
+    192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
+    256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
+}
+
+
+def wgmma_configs(head_dim, head_dim_v):
+    """The tile configurations worth trying for these head dims, the heuristic's preference first."""
+    return _WGMMA_CANDIDATES[max(head_dim, head_dim_v)]
+
+
+def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
+    """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
+    and the registers."""
+    candidates = wgmma_configs(head_dim, head_dim_v)
+    for config in candidates:
+        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
+                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
+            return config
+    return candidates[-1]

@@ -1,0 +1,129 @@
+"""Tile configurations of the attention backward's tensor-core kernels (``kernels/attention_backward_mma.py``,
+``kernels/attention_backward_wgmma.py``): configuration classes, candidates, device fit and default choice."""
+
+import math
+from dataclasses import dataclass
+
+from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD, STAGES
+from ..kernels.ptx import SW128_ALIGN
+from ..kernels.tiles import PAD
+
+
+@dataclass(frozen=True)
+class BackwardMmaConfig:
+    """Tile configuration of the tensor-core backward: ``num_warps`` warps of 16 keys each, query tiles of
+    ``block_m`` rows through ``stages`` shared-memory buffers."""
+
+    block_m: int = 64
+    num_warps: int = 8
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.block_m % 16 or not 16 <= self.block_m <= 128 or not 1 <= self.num_warps <= 16 or not 2 <= self.stages <= 4:
+            raise ValueError(f"inconsistent backward tile configuration {self}")
+
+    @property
+    def block_n(self):
+        return 16 * self.num_warps
+
+    @property
+    def num_threads(self):
+        return 32 * self.num_warps
+
+    @property
+    def dq_warps(self):
+        """``(row_warps, col_warps)``: the warps' grid over a query tile's dQ (m16 tiles × head-dim columns)."""
+        rows = math.gcd(self.num_warps, self.block_m // 16)
+        return rows, self.num_warps // rows
+
+    def fits(self, head_dim):
+        """Whether each warp's share of dQ's columns is a whole number of 16-column steps."""
+        return head_dim % (16 * self.dq_warps[1]) == 0
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """K and V tiles, ``stages`` Q and dO tiles, the dSᵀ tile (16-bit, padded rows), and per stage the
+        tile's rows of lse₂ and delta (float32)."""
+        n, m = self.block_n, self.block_m
+        halves = n * (head_dim + PAD) + n * (head_dim_v + PAD) + n * (m + PAD)
+        halves += self.stages * m * (head_dim + PAD + head_dim_v + PAD)
+        return 2 * halves + 4 * self.stages * 2 * m
+
+
+def backward_mma_supported(dtype, head_dim, head_dim_v):
+    """Whether the tensor-core backward takes this dtype and these head dims."""
+    return dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
+
+
+# Per head-dim class, candidates in order of preference; the first that fits the device is used.
+_BACKWARD_MMA_CANDIDATES = {
+    64: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4)),
+    128: (BackwardMmaConfig(64, 8), BackwardMmaConfig(64, 4), BackwardMmaConfig(32, 4)),
+    256: (BackwardMmaConfig(32, 4), BackwardMmaConfig(16, 4)),
+}
+
+
+def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
+    """The first candidate for these head dims that fits the shared memory (in the simulator the
+    smallest tile), or None."""
+    if simulator:
+        candidates = (BackwardMmaConfig(16, 1),)
+    else:
+        widest = max(head_dim, head_dim_v)
+        candidates = _BACKWARD_MMA_CANDIDATES[64 if widest <= 64 else 128 if widest <= 128 else 256]
+    for config in candidates:
+        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return None
+
+
+@dataclass(frozen=True)
+class BackwardWgmmaConfig:
+    """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
+    shared-memory buffers for the dQ tiles on their way to the float32 accumulator."""
+
+    warpgroups: int = 2
+    dq_stages: int = 2
+
+    def __post_init__(self):
+        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2):
+            raise ValueError(f"inconsistent wgmma backward configuration {self}")
+
+    @property
+    def block_n(self):
+        return 64 * self.warpgroups
+
+    @property
+    def block_m(self):
+        return BLOCK_M
+
+    @property
+    def num_threads(self):
+        return 128 * self.warpgroups
+
+    def fits(self, head_dim):
+        """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""
+        return head_dim % (64 * self.warpgroups) == 0
+
+    def shared_bytes(self, head_dim, head_dim_v):
+        """K, V, two stages of Q and dO, the dS tile (16-bit), two stages of lse₂ and delta rows and the
+        dQ tiles (float32), and slack to align the swizzled tiles."""
+        n = self.block_n
+        halves = n * (head_dim + head_dim_v) + STAGES * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
+        dq_tiles = self.dq_stages * BLOCK_M * (head_dim + DQ_PAD)
+        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
+
+
+def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
+    """Whether the wgmma backward takes this dtype and these head dims on a GPU of compute capability ``cc``."""
+    return cc == (9, 0) and dtype in ("float16", "bfloat16") and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
+
+
+def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
+    """Two warpgroups where they fit (registers: head dims up to 128), else one, each with two dQ buffers
+    where they fit, else one; None if nothing fits."""
+    groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
+    candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
+    for config in candidates:
+        if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
+            return config
+    return None
