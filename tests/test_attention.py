@@ -158,10 +158,10 @@ def test_any_small_problem(rng, group, heads_kv, seqlen_q, seqlen_kv, head_dim, 
 )
 def test_tensor_core_configurations(rng, monkeypatch, fresh_plans, config):
     """The tensor-core kernel's other tile configurations (the GPU's defaults are larger)."""
+    from numattn.configs import attention as configs
     from numattn.configs.attention import MmaConfig
-    from numattn.ops import attention as module
 
-    monkeypatch.setattr(module, "choose_mma_config", lambda *args: MmaConfig(**config))
+    monkeypatch.setattr(configs, "choose_mma_config", lambda *args: MmaConfig(**config))
     q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 37, 45, 32), "float16")
     o, lse = numattn.attention(q, k, v, causal=True, return_lse=True)
     ref_o, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
@@ -184,7 +184,7 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     from numattn.configs.attention import WgmmaConfig
     from numattn.ops import attention as module
 
-    monkeypatch.setattr(module, "_default_config", lambda *args: WgmmaConfig(**config))
+    monkeypatch.setattr(module, "default_config", lambda *args: WgmmaConfig(**config))
     for dtype, causal, head_dim_v, misaligned_out in (
         ("float16", True, 64, False), ("bfloat16", False, 64, True), ("bfloat16", True, 128, False)
     ):
@@ -201,13 +201,14 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
 def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
     and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""
-    from numattn.ops import attention as module
+    from numattn.configs import attention as configs
+    from numattn.ops.attention import _validate
 
     def kind(cc, head_dim, simulator):
-        monkeypatch.setattr(module, "SIMULATOR", simulator)
+        monkeypatch.setattr(configs, "SIMULATOR", simulator)
         half = np.ones((1, 2, 8, head_dim), np.float16)
-        problem = module._validate(half, half, half, None, False, None, "bhsd", False)
-        return type(module._default_config(problem, {"cc": cc, "max_shared": 227 * 1024})).__name__
+        problem = _validate(half, half, half, None, False, None, "bhsd", False)
+        return type(configs.default_config(problem, {"cc": cc, "max_shared": 227 * 1024})).__name__
 
     assert kind((9, 0), 128, False) == "WgmmaConfig"
     assert kind((9, 0), 64, False) == "WgmmaConfig"

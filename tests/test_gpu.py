@@ -63,9 +63,9 @@ def test_against_float64_and_sdpa(rng, dtype, causal, shape):
         assert max_error(o, ref_o) <= 2 * sdpa_error + ulp + 1e-6
 
 
-def _clusters_if(wanted, rule, blocks, splits, device):
-    """``rule`` (``attention._cluster_merges``) for a grid of any size where ``wanted``, else no cluster."""
-    return wanted and rule(0, splits, device)
+def _clusters_if(wanted, rule, blocks, splits, limits):
+    """``rule`` (``configs.attention.cluster_merges``) for a grid of any size where ``wanted``, else no cluster."""
+    return wanted and rule(0, splits, limits)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -90,8 +90,8 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
     for splits in (1, 2, 3, 4, 7, 8, 16):
         for clusters in (False, True):
             with monkeypatch.context() as patch:
-                rule = functools.partial(_clusters_if, clusters and sm90, attention_module._cluster_merges)
-                patch.setattr(attention_module, "_cluster_merges", rule)
+                rule = functools.partial(_clusters_if, clusters and sm90, attention_module.cluster_merges)
+                patch.setattr(attention_module, "cluster_merges", rule)
                 problem = _validate(q, k, v, None, causal, 0.125, "bhsd", True)
                 clustered = _attention_kernel(problem, 0, config, splits).cluster is not None
                 assert clustered == (clusters and sm90 and 2 <= splits <= 8)

@@ -378,9 +378,9 @@ def test_configurations_that_would_spill_are_pruned_before_compiling():
     """Register pressure against ptxas's counts (sm_90, fp16, 2026-11-23): configurations that compiled
     without spilling fit; those that spilled are pruned with the reason; the heuristics pick neither
     a configuration that spills nor one beyond the shared memory of sm_80, sm_86 or sm_90."""
-    from numattn.configs.attention import MmaConfig, WgmmaConfig, choose_mma_config, choose_wgmma_config
+    from numattn.configs.attention import MmaConfig, WgmmaConfig, choose_mma_config, choose_wgmma_config, misfit
     from numattn.kernels.launch import device_limits
-    from numattn.ops.attention import _misfit, _validate
+    from numattn.ops.attention import _validate
 
     def problem(head_dim):
         x = np.ones((1, 1, 16, head_dim), np.float16)
@@ -393,11 +393,11 @@ def test_configurations_that_would_spill_are_pruned_before_compiling():
                (MmaConfig(32, 4, 4, False), 64, 156), (WgmmaConfig(128, 3, 3), 64, 52),
                (WgmmaConfig(96, 3, 3), 128, 64), (WgmmaConfig(32, 3, 3), 256, 336)]
     for config, head_dim in no_spill:
-        assert _misfit(problem(head_dim), config, limits) is None, (config, head_dim)
+        assert misfit(problem(head_dim), config, limits) is None, (config, head_dim)
     for config, head_dim, spill_bytes in spilled:
-        reason = _misfit(problem(head_dim), config, limits)
+        reason = misfit(problem(head_dim), config, limits)
         assert reason is not None and reason.startswith("register pressure"), (config, head_dim, spill_bytes)
-    assert "shared memory" in _misfit(problem(256), WgmmaConfig(128, 2, 4), limits)
+    assert "shared memory" in misfit(problem(256), WgmmaConfig(128, 2, 4), limits)
 
     for shared in (99 * 1024, 163 * 1024, 227 * 1024):
         for head_dim in range(16, 257, 16):

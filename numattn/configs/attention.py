@@ -4,7 +4,10 @@ The kernels (``kernels/attention_*.py``) take a configuration and read its field
 
 from dataclasses import dataclass
 
+from .._cuda import SIMULATOR
+from ..kernels.launch import device_limits
 from ..kernels.ptx import SW128_ALIGN
+from ..kernels.split_merge import CLUSTER_SPLITS, KEY_SPLITS
 from ..kernels.tiles import PAD
 
 # --------------------------------------------------------------------------
@@ -253,3 +256,102 @@ def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
                 and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
             return config
     return candidates[-1]
+
+
+# --------------------------------------------------------------------------
+# The choice for one problem (``p``: an attention problem of ``ops/attention.py``: dtype, head dims,
+# key length, whether K is read transposed and rows take 16-byte copies)
+# --------------------------------------------------------------------------
+
+
+def fitting_kernels(p, limits):
+    """The tile-configuration classes whose kernels can compute problem ``p`` on this device."""
+    tensor_cores = mma_supported(p.dtype, p.head_dim, p.head_dim_v) and limits["cc"] >= (8, 0)
+    if tensor_cores and p.transposed_k_loads:
+        return (MmaConfig, SimtConfig)
+    if not (tensor_cores and p.vector_loads):
+        return (SimtConfig,)
+    if wgmma_supported(p.dtype, p.head_dim, p.head_dim_v, limits["cc"]):
+        return (WgmmaConfig, MmaConfig)
+    return (MmaConfig,)
+
+
+def default_config(p, limits):
+    """The heuristic's tile configuration, of the first fitting kernel (in the simulator the
+    mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
+    kinds = fitting_kernels(p, limits)
+    if kinds[0] is WgmmaConfig and not SIMULATOR:
+        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"])
+    if MmaConfig in kinds:
+        config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+        if problem_shared_bytes(p, config) <= limits["max_shared"]:
+            return config
+        return MmaConfig(block_n=16, num_warps=1)  # transposed K tiles of wide heads: the smallest tiles
+    return choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
+
+
+def problem_shared_bytes(p, config):
+    """Shared-memory bytes of ``config``'s kernel on problem ``p`` (an ``mma.sync`` kernel reading K transposed
+    holds K tiles of another shape)."""
+    if type(config) is MmaConfig:
+        return config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
+    return config.shared_bytes(p.head_dim, p.head_dim_v)
+
+
+def tile_candidates(problem, pruned=None):
+    """Every tile configuration offered for ``problem`` on its device (in the simulator, the small
+    ones that simulate in seconds) that fits the device's shared memory and the registers; the others
+    are appended to ``pruned`` as ``(config, reason)`` when a list is given."""
+    p = problem
+    limits = device_limits(0 if p.device is None else p.device)
+    configs = []
+    for kind in fitting_kernels(p, limits):
+        if SIMULATOR:
+            options = {WgmmaConfig: [], MmaConfig: [choose_mma_config(p.head_dim, p.head_dim_v, 0, True)],
+                       SimtConfig: [choose_simt_config(p.head_dim, p.head_dim_v, 0, True)]}[kind]
+        elif kind is WgmmaConfig:
+            options = wgmma_configs(p.head_dim, p.head_dim_v)
+        elif kind is MmaConfig:
+            options = mma_configs(p.head_dim, p.head_dim_v)
+        else:
+            options = simt_configs(p.head_dim, p.head_dim_v)
+        for config in options:
+            reason = misfit(p, config, limits)
+            if reason is None:
+                configs.append(config)
+            elif pruned is not None:
+                pruned.append((config, reason))
+    return configs
+
+
+def misfit(p, config, limits):
+    """Why ``config`` does not fit problem ``p`` on this device, or None."""
+    shared = problem_shared_bytes(p, config)
+    if shared > limits["max_shared"]:
+        return f"needs {shared} bytes of shared memory, the device allows {limits['max_shared']}"
+    if isinstance(config, (MmaConfig, WgmmaConfig)):
+        pressure = config.register_pressure(p.head_dim, p.head_dim_v)
+        if pressure > config.register_pressure_limit:
+            return f"register pressure {pressure} above {config.register_pressure_limit} (would spill)"
+    return None
+
+
+def split_options(problem, config):
+    """Key splits worth trying with ``config``: 1, and for the mma.sync kernel 2 to 16 while each run
+    keeps at least two key tiles."""
+    if not isinstance(config, MmaConfig):
+        return [1]
+    tiles = -(-problem.seqlen_kv // config.block_n)
+    return [1] + [n for n in KEY_SPLITS if 2 * n <= tiles]
+
+
+def cluster_merges(blocks, splits, limits):
+    """Whether a launch of ``blocks`` query tiles times ``splits`` key splits on a device of ``limits``
+    (``device_limits``) merges its splits in thread-block clusters (sm_90 and later, at most
+    ``CLUSTER_SPLITS``) rather than by the last block of each query tile: where the launch has at most
+    a block per SM. There the last block's merge is the launch's tail (measured on an H200, Mirage's
+    GQA graph at b = 1: 20.3 against 34.4 µs); with more blocks other blocks' work hides it, and
+    clusters, placed a GPU processing cluster at a time, spread the blocks less evenly over the SMs
+    (at b = 8: 41.0 µs merged by the last block, 56.2 in clusters of 4)."""
+    return (2 <= splits <= CLUSTER_SPLITS and not SIMULATOR and limits["cc"] >= (9, 0)
+            and blocks * splits <= limits["sms"])

@@ -20,6 +20,7 @@ MERGE_THREADS = 128  # threads of a merge_kernel block
 
 MAX_SPLITS = 64  # key splits per row at most
 MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
+KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the tensor-core kernels and decode
 CLUSTER_SPLITS = 8  # key splits a cluster merges at most: the portable cluster size
 _STAGE_PAD = 8  # floats added to a staged row: a warp's 8-byte stores of accumulator pairs miss no bank twice
 

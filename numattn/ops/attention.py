@@ -32,14 +32,12 @@ from ..configs.attention import (
     MmaConfig,
     SimtConfig,
     WgmmaConfig,
-    choose_mma_config,
-    choose_simt_config,
-    choose_wgmma_config,
-    mma_configs,
-    mma_supported,
-    simt_configs,
-    wgmma_configs,
-    wgmma_supported,
+    cluster_merges,
+    default_config,
+    fitting_kernels,
+    problem_shared_bytes,
+    split_options,
+    tile_candidates,
 )
 from ..kernels import cpu
 from ..kernels.attention_mma import mma_attention_kernel
@@ -47,8 +45,8 @@ from ..kernels.attention_simt import simt_attention_kernel
 from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits, zero_words
-from ..kernels.split_merge import CLUSTER_SPLITS, MAX_SPLITS, cluster_stage_bytes
-from ..tuning.models import KEY_SPLITS, attention_seconds
+from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
+from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .plans import PLANS, array_signature
 from .workspace import SplitWorkspaces, WorkspaceLayout
@@ -237,32 +235,6 @@ def softmax_scale(scale, head_dim):
 _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, WgmmaConfig: wgmma_attention_kernel}
 
 
-def _fitting_kernels(p, limits):
-    """The tile-configuration classes whose kernels can compute problem ``p`` on this device."""
-    tensor_cores = mma_supported(p.dtype, p.head_dim, p.head_dim_v) and limits["cc"] >= (8, 0)
-    if tensor_cores and p.transposed_k_loads:
-        return (MmaConfig, SimtConfig)
-    if not (tensor_cores and p.vector_loads):
-        return (SimtConfig,)
-    if wgmma_supported(p.dtype, p.head_dim, p.head_dim_v, limits["cc"]):
-        return (WgmmaConfig, MmaConfig)
-    return (MmaConfig,)
-
-
-def _default_config(p, limits):
-    """The heuristic's tile configuration, of the first fitting kernel (in the simulator the
-    mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
-    kinds = _fitting_kernels(p, limits)
-    if kinds[0] is WgmmaConfig and not SIMULATOR:
-        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"])
-    if MmaConfig in kinds:
-        config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
-        if _shared_bytes(p, config) <= limits["max_shared"]:
-            return config
-        return MmaConfig(block_n=16, num_warps=1)  # transposed K tiles of wide heads: the smallest tiles
-    return choose_simt_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
-
-
 class _Kernel(NamedTuple):
     """The kernel that computes a problem and how to launch it (``cluster``: the launch's cluster shape, or None)."""
 
@@ -273,17 +245,6 @@ class _Kernel(NamedTuple):
     label: str
     config: object
     cluster: tuple | None
-
-
-def _cluster_merges(blocks, splits, device):
-    """Whether a launch of ``blocks`` query tiles times ``splits`` key splits merges its splits in
-    thread-block clusters (sm_90 and later, at most ``CLUSTER_SPLITS``) rather than by the last block of
-    each query tile: where the launch has at most a block per SM. There the last block's merge is the
-    launch's tail (measured: W6 at b = 1, 20.3 against 34.4 µs); with more blocks other blocks' work
-    hides it, and clusters, placed a GPU processing cluster at a time, spread the blocks less evenly
-    over the SMs (W6 at b = 8: 41.0 µs merged by the last block, 56.2 in clusters of 4)."""
-    return (2 <= splits <= CLUSTER_SPLITS and not SIMULATOR and device_limits(device)["cc"] >= (9, 0)
-            and blocks * splits <= device_limits(device)["sms"])
 
 
 def _attention_kernel(p, device, config=None, splits=1):
@@ -298,9 +259,9 @@ def _attention_kernel(p, device, config=None, splits=1):
     query tile's blocks together (a cluster), elsewhere by its last block; the grid is then ``(blocks, splits)``.
     """
     limits = device_limits(device)
-    config = config or _default_config(p, limits)
+    config = config or default_config(p, limits)
     kind = type(config)
-    if kind not in _fitting_kernels(p, limits):
+    if kind not in fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
     if splits > 1 and kind is not MmaConfig:
         raise ValueError(f"key splits need the mma.sync kernel (an MmaConfig), got {config}")
@@ -314,9 +275,9 @@ def _attention_kernel(p, device, config=None, splits=1):
         flags = {"aligned_out": p.aligned_out}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
-                 "cluster_merge": _cluster_merges(blocks, splits, device)}
+                 "cluster_merge": cluster_merges(blocks, splits, limits)}
     dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags)
-    shared_bytes = _shared_bytes(p, config)
+    shared_bytes = problem_shared_bytes(p, config)
     cluster = None
     if flags.get("cluster_merge"):
         cluster = (1, splits, 1)
@@ -330,12 +291,6 @@ def _attention_kernel(p, device, config=None, splits=1):
 
 def _swap_last(values):
     return (*values[:-2], values[-1], values[-2])
-
-
-def _shared_bytes(p, config):
-    if type(config) is MmaConfig:
-        return config.shared_bytes(p.head_dim, p.head_dim_v, p.transposed_k_loads)
-    return config.shared_bytes(p.head_dim, p.head_dim_v)
 
 
 def _split_shapes(p, grid, splits):
@@ -557,53 +512,6 @@ def _make_plan(problem, config=None, splits=1):
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
         return _TorchPlan(p, config, splits)
     return _DevicePlan(p, config, splits)
-
-
-def tile_candidates(problem, pruned=None):
-    """Every tile configuration offered for ``problem`` on its device (in the simulator, the small
-    ones that simulate in seconds) that fits the device's shared memory and the registers; the others
-    are appended to ``pruned`` as ``(config, reason)`` when a list is given."""
-    p = problem
-    limits = device_limits(0 if p.device is None else p.device)
-    configs = []
-    for kind in _fitting_kernels(p, limits):
-        if SIMULATOR:
-            options = {WgmmaConfig: [], MmaConfig: [choose_mma_config(p.head_dim, p.head_dim_v, 0, True)],
-                       SimtConfig: [choose_simt_config(p.head_dim, p.head_dim_v, 0, True)]}[kind]
-        elif kind is WgmmaConfig:
-            options = wgmma_configs(p.head_dim, p.head_dim_v)
-        elif kind is MmaConfig:
-            options = mma_configs(p.head_dim, p.head_dim_v)
-        else:
-            options = simt_configs(p.head_dim, p.head_dim_v)
-        for config in options:
-            reason = _misfit(p, config, limits)
-            if reason is None:
-                configs.append(config)
-            elif pruned is not None:
-                pruned.append((config, reason))
-    return configs
-
-
-def _misfit(p, config, limits):
-    """Why ``config`` does not fit problem ``p`` on this device, or None."""
-    shared = _shared_bytes(p, config)
-    if shared > limits["max_shared"]:
-        return f"needs {shared} bytes of shared memory, the device allows {limits['max_shared']}"
-    if isinstance(config, (MmaConfig, WgmmaConfig)):
-        pressure = config.register_pressure(p.head_dim, p.head_dim_v)
-        if pressure > config.register_pressure_limit:
-            return f"register pressure {pressure} above {config.register_pressure_limit} (would spill)"
-    return None
-
-
-def split_options(problem, config):
-    """Key splits worth trying with ``config``: 1, and for the mma.sync kernel 2 to 16 while each run
-    keeps at least two key tiles."""
-    if not isinstance(config, MmaConfig):
-        return [1]
-    tiles = -(-problem.seqlen_kv // config.block_n)
-    return [1] + [n for n in KEY_SPLITS if 2 * n <= tiles]
 
 
 def planned(q, k, v, *, scale, config=None, splits=1):

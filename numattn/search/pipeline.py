@@ -8,8 +8,9 @@ import numpy as np
 from .._arrays import describe, from_dlpack
 from .._cuda import SIMULATOR, simulate
 from .._version import __version__
+from ..configs.attention import split_options, tile_candidates
 from ..kernels.launch import device_limits
-from ..ops.attention import _validate, split_options, tile_candidates
+from ..ops.attention import _validate
 from ..tuning import cache
 from .match import find_attention
 from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature

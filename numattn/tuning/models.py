@@ -4,9 +4,7 @@ that tuners try."""
 
 import numpy as np
 
-from ..kernels.split_merge import MAX_SPLITS
-
-KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the tensor-core kernels and decode
+from ..kernels.split_merge import KEY_SPLITS, MAX_SPLITS
 
 # the cost model's device: an H100's copy bandwidth, tensor/CUDA-core rates and SMs, per-launch cost
 BANDWIDTH = 3.0e12
