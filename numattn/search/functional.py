@@ -19,7 +19,7 @@ from ..ops import mla as mla_op
 from ..tuning import cache
 from ..tuning.store import problem_key
 from .plans import Plan
-from .tune import SearchLog, time_seconds
+from .tune import SearchLog, search, time_seconds
 from .verify import TOLERANCE, to_float64
 
 
@@ -56,28 +56,24 @@ def _tune(kind, problem, candidates, make, warmup_iters, profile_iters, log):
     log.stage(f"numattn.{kind}: {len(candidates)} candidate configurations and key splits")
     reference = make(None, None)()
     device = None if SIMULATOR or problem.device is None else problem.device
-    progress = log.bar(len(candidates), "tune")
-    table, best = [], None
-    for config, splits, model in candidates:
-        row = {"config": repr(config), "splits": splits, "verified": False, "seconds": None, "note": ""}
+
+    def verify(candidate):
+        config, splits, _ = candidate
         try:
             run = make(config, splits)
             error = _relative_difference(run(), reference)
         except Exception as e:  # a configuration that fails to compile or launch is reported, not fatal
-            row["note"] = f"failed: {type(e).__name__}: {e}"
-        else:
-            row["verified"] = bool(error <= TOLERANCE[problem.dtype])
-            row["note"] = f"max rel. difference {error:.1e}"
-        if row["verified"]:
-            if device is None:
-                row["seconds"] = model
-            else:
-                row["seconds"] = time_seconds(lambda _, run=run: run(), [None], warmup_iters, profile_iters)
-            if best is None or row["seconds"] < best[2]:
-                best = (config, splits, row["seconds"])
-        table.append(row)
-        progress.step(row["config"])
-    progress.close()
+            return False, f"failed: {type(e).__name__}: {e}", None
+        return bool(error <= TOLERANCE[problem.dtype]), f"max rel. difference {error:.1e}", run
+
+    def measure(candidate, run):
+        if device is None:
+            return candidate[2]  # the cost model's seconds
+        return time_seconds(lambda _: run(), [None], warmup_iters, profile_iters)
+
+    rows, best, seconds = search(candidates, lambda c: repr(c[0]), verify, measure, log.bar(len(candidates), "tune"))
+    table = [{"config": row.pop("plan"), "splits": splits, **row} for row, (_, splits, _) in
+             zip(rows, candidates, strict=True)]
     verified = sum(row["verified"] for row in table)
     log.stage(f"{verified} of {len(table)} matched the heuristic's output, "
               f"{'modelled (no GPU)' if device is None else 'timed with CUDA events'}")
@@ -85,7 +81,7 @@ def _tune(kind, problem, candidates, make, warmup_iters, profile_iters, log):
         raise RuntimeError("no configuration matched the heuristic's output")
     path = cache.cache_path()
     cache.store(path, problem_key(kind, problem), Plan("fused", (), best[0], "copy", best[1]), table)
-    log.stage(f"fastest: {best[0]!r} with {best[1]} key split(s), {best[2] * 1e6:.1f} us; stored in {path}")
+    log.stage(f"fastest: {best[0]!r} with {best[1]} key split(s), {seconds * 1e6:.1f} us; stored in {path}")
     return table
 
 

@@ -14,7 +14,7 @@ from ..ops.attention import _validate
 from ..tuning import cache
 from .match import find_attention
 from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature
-from .tune import SearchLog, model_seconds, time_seconds
+from .tune import SearchLog, model_seconds, search, time_seconds
 from .verify import fingerprint_check, numeric_check
 
 CONFIGS = ("attention",)
@@ -220,53 +220,54 @@ def superoptimize(graph, config="attention", backend=None, warmup_iters=16, prof
     simulated = device is None and SIMULATOR
     table = [{"plan": plan.describe(), "verified": False, "seconds": None, "note": f"pruned: {reason}"}
              for plan, reason in pruned]
-    best, best_seconds, tried = None, None, 0
-    counts = {"equivalent": 0, "ran": 0, "verified": 0}
+    counts = {"tried": 0, "equivalent": 0, "ran": 0, "verified": 0}
     semantics_verdict = {}
-    bar = log.bar(min(MAX_TRIED, len(modelled)), "verify")
-    for model, _, plan in modelled:
-        row = {"plan": plan.describe(), "verified": False, "seconds": None, "note": ""}
-        if best is not None and (tried >= MAX_TRIED or model > PRUNE_RATIO * modelled[0][0]):
-            row["note"] = f"not tried: modelled {model * 1e6:.1f} us, best modelled {modelled[0][0] * 1e6:.1f} us"
-            table.append(row)
-            continue
-        tried += 1
+
+    def skip(candidate, best):
+        model, _, _ = candidate
+        if best is not None and (counts["tried"] >= MAX_TRIED or model > PRUNE_RATIO * modelled[0][0]):
+            return f"not tried: modelled {model * 1e6:.1f} us, best modelled {modelled[0][0] * 1e6:.1f} us"
+        return None
+
+    def verify(candidate):
+        _, _, plan = candidate
+        counts["tried"] += 1
         semantics = plan.semantics(graph)
         text = semantics.canonical()
         if text not in semantics_verdict:
             semantics_verdict[text] = fingerprint_check(graph, semantics, rng)
         reason = semantics_verdict[text]
-        runner = Runner(graph, plan)
-        if reason is None:
-            counts["equivalent"] += 1
-            if simulated:  # the kernels' logic at small shapes: full ones would take minutes in the simulator
-                proxy_graph, proxy_plan = proxy(graph, plan)
-                with simulate():
-                    reason, error = numeric_check(proxy_graph, Runner(proxy_graph, proxy_plan),
-                                                  lambda proxy_graph=proxy_graph: random_inputs(proxy_graph, rng, None))
-                shapes = ", ".join(str(t.dims) for t in proxy_graph.inputs)
-            else:
-                reason, error = numeric_check(graph, runner, lambda: random_inputs(graph, rng, device))
-                shapes = None
-            counts["ran"] += not (reason or "").startswith("failed to run")
-            if reason is None:
-                row["note"] = f"max rel. error {error:.1e}" + (f" (simulated at {shapes})" if simulated else "")
         if reason is not None:
-            row["note"] = reason
+            return False, reason, None
+        counts["equivalent"] += 1
+        runner = Runner(graph, plan)
+        if simulated:  # the kernels' logic at small shapes: full ones would take minutes in the simulator
+            proxy_graph, proxy_plan = proxy(graph, plan)
+            with simulate():
+                reason, error = numeric_check(proxy_graph, Runner(proxy_graph, proxy_plan),
+                                              lambda: random_inputs(proxy_graph, rng, None))
+            where = f" (simulated at {', '.join(str(t.dims) for t in proxy_graph.inputs)})"
         else:
-            counts["verified"] += 1
-            row["verified"] = True
-            if device is None:
-                row["seconds"] = model_seconds(graph, plan)
-                row["note"] += ", modelled time"
-            else:
-                sets = [random_inputs(graph, rng, device)[0] for _ in range(4)]
-                row["seconds"] = time_seconds(runner, sets, warmup_iters, profile_iters)
-            if best is None or row["seconds"] < best_seconds:
-                best, best_seconds = plan, row["seconds"]
-        table.append(row)
-        bar.step(row["plan"])
-    bar.close()
+            reason, error = numeric_check(graph, runner, lambda: random_inputs(graph, rng, device))
+            where = ""
+        counts["ran"] += not (reason or "").startswith("failed to run")
+        if reason is not None:
+            return False, reason, None
+        counts["verified"] += 1
+        return True, f"max rel. error {error:.1e}{where}" + (", modelled time" if device is None else ""), runner
+
+    def measure(candidate, runner):
+        model, _, plan = candidate
+        if device is None:
+            return model
+        sets = [random_inputs(graph, rng, device)[0] for _ in range(4)]
+        return time_seconds(runner, sets, warmup_iters, profile_iters)
+
+    rows, best, best_seconds = search(modelled, lambda c: c[2].describe(), verify, measure,
+                                      log.bar(min(MAX_TRIED, len(modelled)), "verify"), skip)
+    table += rows
+    best = best[2] if best is not None else None
+    tried = counts["tried"]
     where = "in the simulator at proxy shapes" if simulated else "on " + limits["name"]
     log.stage(f"{tried} tried in the cost model's order: {counts['equivalent']} equivalent to the graph, "
               f"{counts['ran']} compiled and ran {where}, {counts['verified']} verified against float64")

@@ -1,4 +1,5 @@
-"""Ranking verified candidates: CUDA-event timing on a GPU, a cost model in the simulator."""
+"""The search loop behind ``superoptimize`` and ``numattn.tune`` (verify, time, keep the fastest), and its
+parts: CUDA-event timing on a GPU, a cost model in the simulator, the report on stderr."""
 
 import sys
 
@@ -86,3 +87,28 @@ class SearchLog:
 
     def bar(self, total, label):
         return Progress(total, self.enabled and sys.stderr.isatty(), label)
+
+
+def search(candidates, describe, verify, measure, bar, skip=None):
+    """The loop every search runs: for each candidate in order, unless ``skip(candidate, best)`` gives a
+    reason not to try it, ``verify(candidate)`` gives ``(verified, note, run)``; a verified candidate is
+    timed, ``measure(candidate, run)`` seconds, and the fastest kept. Returns ``(rows, best, seconds)``:
+    per candidate its row (``describe(candidate)`` as ``"plan"``, ``verified``, ``seconds``, ``note``),
+    the fastest verified candidate (None if none) and its seconds."""
+    rows, best, best_seconds = [], None, None
+    for candidate in candidates:
+        row = {"plan": describe(candidate), "verified": False, "seconds": None, "note": ""}
+        why_not = skip(candidate, best) if skip is not None else None
+        if why_not is not None:
+            row["note"] = why_not
+            rows.append(row)
+            continue
+        row["verified"], row["note"], run = verify(candidate)
+        if row["verified"]:
+            row["seconds"] = measure(candidate, run)
+            if best is None or row["seconds"] < best_seconds:
+                best, best_seconds = candidate, row["seconds"]
+        rows.append(row)
+        bar.step(row["plan"])
+    bar.close()
+    return rows, best, best_seconds
