@@ -30,14 +30,13 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
 from .online_softmax import partial_store, softmax_steps
 from .ptx import (
     cluster_sync,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -130,9 +129,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     def load_q_fragments(q_frag, q_s, ks, slot, warp_row0, mat, mrow):
         """A fragments of k-step ``ks`` for each of the warp's m16 tiles, into ``q_frag[:, slot]``."""
         for mt in range(WARP_M):
-            q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3] = ldmatrix_x4(
-                q_s, warp_row0 + 16 * mt + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2)
-            )
+            q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3] = load_a(
+                q_s, warp_row0 + 16 * mt, 16 * ks, mat, mrow)
 
     @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
@@ -150,8 +148,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
-        # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
-        mat, mrow = lane // 8, lane % 8
+        mat, mrow = ldmatrix_lane(lane)
         warp_row0 = 16 * WARP_M * warp  # the warp's first row within the block
 
         load_tile_async(q_s, q, b, h, m0, seqlen_q, D)
@@ -207,9 +204,9 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                     load_q_fragments(q_frag, q_s, ks, 0, warp_row0, mat, mrow)
                 for np2 in range(NTILES // 2):
                     if K_T:  # k_s[d, n]: B fragments read transposed, like V's
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(k_s, 16 * ks + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                        b0, b1, b2, b3 = load_b_trans(k_s, 16 * ks, 16 * np2, mat, mrow)
                     else:
-                        b0, b1, b2, b3 = ldmatrix_x4(k_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                        b0, b1, b2, b3 = load_b(k_s, 16 * np2, 16 * ks, mat, mrow)
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3]
                         mma_into(s, mt, 2 * np2, a0, a1, a2, a3, b0, b1)
@@ -230,7 +227,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                     p_frag[mt, 2] = pack(s[mt, n + 1, 0], s[mt, n + 1, 1])
                     p_frag[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
                 for dp in range(DTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, 16 * kk + mrow + 8 * (mat % 2), 16 * dp + 8 * (mat // 2))
+                    b0, b1, b2, b3 = load_b_trans(v_s, 16 * kk, 16 * dp, mat, mrow)
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         mma_into(acc, mt, 2 * dp, a0, a1, a2, a3, b0, b1)
