@@ -67,8 +67,8 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
     ``o`` in 16-byte chunks: its rows contiguous, 16-byte aligned.
     """
     if config.wgmma:
-        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split, write_lse,
-                                config.persistent and not split)
+        return mla_wgmma_kernel(dtype, rank, rope, config.block_n, config.stages, config.qk, split=split,
+                                write_lse=write_lse, persistent=config.persistent and not split)
     R, P, BLOCK_N, STAGES, WARPS = rank, rope, config.block_n, config.stages, config.warps
     THREADS = 32 * WARPS
     SHARDED = config.qk == "sharded"

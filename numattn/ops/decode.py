@@ -291,11 +291,14 @@ class _Plan:
         self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages) if self.stages else 0
         self.split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
-        common = (p.page_table is not None, p.seqlens is not None, self.split, p.return_lse)
+        flags = {"paged": p.page_table is not None, "has_seqlens": p.seqlens is not None, "split": self.split,
+                 "write_lse": p.return_lse}
         if self.stages is not None:
-            self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, *common, self.stages)
+            self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, stages=self.stages,
+                                            **flags)
         else:
-            self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows, *common, vector)
+            self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows,
+                                        vector_loads=vector, **flags)
         self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
         self.counter_shape = self.grid[2:0:-1]  # [B, row chunks of every KV head]: the merge's tickets
         kind = f"mma stages={self.stages}" if self.stages else f"simt rows={rows} vector={vector}"

@@ -149,7 +149,7 @@ class _Plan:
             self.grid = (min(work, blocks_per_sm * limits["sms"]),)
         self.threads = 32 * self.config.warps
         kernel_config = replace(self.config, persistent=self.persistent)
-        self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, kernel_config, self.split, p.return_lse)
+        self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, kernel_config, split=self.split, write_lse=p.return_lse)
         # the decode combine kernel sees the heads as one KV head's group of query rows
         self.combine = combine_kernel(p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse) if self.split else None
         self.combine_grid = (-(-p.heads // HEAD_ROWS), p.batch)
