@@ -126,6 +126,94 @@ def softmax_headroom(dtype):
     return EAGER if dtype == "bfloat16" else RESCALE
 
 
+def copy_streams(block_n, persistent, locate, next_row, load_tile_async):
+    """Device functions of the copy streams that bring an item's latent tiles (an item: a sequence and a
+    chunk of its heads) into the ring, one row per thread: ``(item_span, next_item, next_with_keys,
+    stream_at, stream_start, copy_next, stream_more)``. Ordinary blocks take one item (and one key split
+    of it); ``persistent`` blocks take the items of sequences ``blockIdx.x``, ``+ gridDim.x``, ... in turn,
+    their streams running on into the next item with keys. ``locate``, ``next_row`` and
+    ``load_tile_async`` are the kernel's page-table walk and tile copy."""
+    BLOCK_N, PERSISTENT = block_n, persistent
+
+    @cuda.jit(device=True, forceinline=True)
+    def item_span(b, seqlens, capacity, split, splits):
+        """``(first, end, n_tiles)``: the keys of sequence ``b`` a block takes, all of them (persistent)
+        or key split ``split`` of ``splits``, and their tiles."""
+        seqlen = min(max(seqlens[b], 0), capacity)
+        if PERSISTENT:
+            return int64(0), seqlen, -(-seqlen // BLOCK_N)
+        per_split = -(-seqlen // splits)
+        first, end = split * per_split, min(seqlen, (split + 1) * per_split)
+        return first, end, max(0, -(-(end - first) // BLOCK_N))
+
+    @cuda.jit(device=True, forceinline=True)
+    def next_item(b, c, items):
+        """The item after (sequence ``b``, head chunk ``c``) among a persistent block's: ``items`` is
+        ``(batch, grid size, ...)``; its sequences have one head chunk (``c`` stays 0)."""
+        return b + items[1], c
+
+    @cuda.jit(device=True, forceinline=True)
+    def with_keys(b, c, seqlens, items):
+        """The first of a persistent block's items from (``b``, ``c``) on whose sequence has keys
+        (``b`` at or past the batch if none)."""
+        batch, capacity = items[0], items[2]
+        while b < batch and min(seqlens[b], capacity) <= 0:
+            b, c = next_item(b, c, items)
+        return b, c
+
+    @cuda.jit(device=True, forceinline=True)
+    def next_with_keys(b, c, seqlens, items):
+        """The first of a persistent block's items after (``b``, ``c``) whose sequence has keys."""
+        b, c = next_item(b, c, items)
+        return with_keys(b, c, seqlens, items)
+
+    @cuda.jit(device=True, forceinline=True)
+    def stream_at(b, c, page_table, seqlens, items):
+        """A persistent thread's copy stream at the first tile of item (``b``, ``c``) or, when that has no
+        keys, of the next one with keys: ``(b, c, end, tiles left, key, slot, offset, page, position)``
+        as ``stream_start`` gives it (past the last item: no tiles left)."""
+        b, c = with_keys(b, c, seqlens, items)
+        if b >= items[0]:
+            return b, c, int64(0), int64(0), int64(0), int64(0), int64(0), int32(0), int64(0)
+        _, end, n_tiles = item_span(b, seqlens, items[2], 0, 1)
+        key, slot, offset = items[3], items[4], items[5]  # this thread's first row of any item
+        page, position = locate(page_table, b, key, end, slot, offset)
+        return b, c, end, n_tiles, key, slot, offset, page, position
+
+    @cuda.jit(device=True, forceinline=True)
+    def stream_start(b, c, first, end, n_tiles, page_table, walk, my_row):
+        """A thread's copy stream at the first of ``n_tiles`` tiles from key ``first`` of sequence ``b``,
+        head chunk ``c``: ``(b, c, end, tiles left, key, slot, offset, page, position)``; ``key`` is the
+        thread's row of the tile, ``slot`` and ``offset`` its page-table entry and place in that page, ``page``
+        and ``position`` what ``locate`` gives to copy it from."""
+        key = first + my_row
+        slot, offset = key // walk[0], key % walk[0]
+        page, position = locate(page_table, b, key, end, slot, offset)
+        return b, c, end, n_tiles, key, slot, offset, page, position
+
+    @cuda.jit(device=True, forceinline=True)
+    def copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group, my_row, my_lane):
+        """Start this thread's copies of its stream's next tile into ring ``stage``; the stream moves on
+        to its row of the tile after, in this item or (persistent) the next one with keys."""
+        b, c, end, left, key, slot, offset, page, position = stream
+        load_tile_async(view, bars, ckv, kpe, stage, page, position, key < end, group, my_row, my_lane)
+        if PERSISTENT and left == 1:
+            next_b, next_c = next_item(b, c, items)
+            return stream_at(next_b, next_c, page_table, seqlens, items)
+        key, slot, offset, page, position = next_row(page_table, b, key, slot, offset, end, walk[0], walk[1], walk[2])
+        return b, c, end, left - 1 if PERSISTENT else left, key, slot, offset, page, position
+
+    @cuda.jit(device=True, forceinline=True)
+    def stream_more(stream, issued):
+        """Whether the copy stream has a tile left: a persistent stream counts its tiles down; otherwise
+        ``issued`` of the item's ``stream[3]`` tiles have been started."""
+        if PERSISTENT:
+            return stream[3] > 0
+        return issued < stream[3]
+
+    return item_span, next_item, next_with_keys, stream_at, stream_start, copy_next, stream_more
+
+
 @functools.lru_cache(maxsize=None)
 def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, persistent=False):
     """Numba kernel with the arguments of ``mla.mla_decode_kernel``; grid ``(S, cdiv(H, 64), B)``,
@@ -293,81 +381,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         if cuda.threadIdx.x % 32 == 0:
             stats[FLAGS + warp] = _ONE if rescaled else _ZERO
 
-    @cuda.jit(device=True, forceinline=True)
-    def item_span(b, seqlens, capacity, split, splits):
-        """``(first, end, n_tiles)``: the keys of sequence ``b`` a block takes, all of them (persistent)
-        or key split ``split`` of ``splits``, and their tiles."""
-        seqlen = min(max(seqlens[b], 0), capacity)
-        if PERSISTENT:
-            return int64(0), seqlen, -(-seqlen // BLOCK_N)
-        per_split = -(-seqlen // splits)
-        first, end = split * per_split, min(seqlen, (split + 1) * per_split)
-        return first, end, max(0, -(-(end - first) // BLOCK_N))
-
-    @cuda.jit(device=True, forceinline=True)
-    def next_item(b, c, items):
-        """The item after (sequence ``b``, head chunk ``c``) among a persistent block's: ``items`` is
-        ``(batch, grid size, ...)``; its sequences have one head chunk (``c`` stays 0)."""
-        return b + items[1], c
-
-    @cuda.jit(device=True, forceinline=True)
-    def with_keys(b, c, seqlens, items):
-        """The first of a persistent block's items from (``b``, ``c``) on whose sequence has keys
-        (``b`` at or past the batch if none)."""
-        batch, capacity = items[0], items[2]
-        while b < batch and min(seqlens[b], capacity) <= 0:
-            b, c = next_item(b, c, items)
-        return b, c
-
-    @cuda.jit(device=True, forceinline=True)
-    def next_with_keys(b, c, seqlens, items):
-        """The first of a persistent block's items after (``b``, ``c``) whose sequence has keys."""
-        b, c = next_item(b, c, items)
-        return with_keys(b, c, seqlens, items)
-
-    @cuda.jit(device=True, forceinline=True)
-    def stream_at(b, c, page_table, seqlens, items):
-        """A persistent thread's copy stream at the first tile of item (``b``, ``c``) or, when that has no
-        keys, of the next one with keys: ``(b, c, end, tiles left, key, slot, offset, page, position)``
-        as ``stream_start`` gives it (past the last item: no tiles left)."""
-        b, c = with_keys(b, c, seqlens, items)
-        if b >= items[0]:
-            return b, c, int64(0), int64(0), int64(0), int64(0), int64(0), int32(0), int64(0)
-        _, end, n_tiles = item_span(b, seqlens, items[2], 0, 1)
-        key, slot, offset = items[3], items[4], items[5]  # this thread's first row of any item
-        page, position = locate(page_table, b, key, end, slot, offset)
-        return b, c, end, n_tiles, key, slot, offset, page, position
-
-    @cuda.jit(device=True, forceinline=True)
-    def stream_start(b, c, first, end, n_tiles, page_table, walk, my_row):
-        """A thread's copy stream at the first of ``n_tiles`` tiles from key ``first`` of sequence ``b``,
-        head chunk ``c``: ``(b, c, end, tiles left, key, slot, offset, page, position)``; ``key`` is the
-        thread's row of the tile, ``slot`` and ``offset`` its page-table entry and place in that page, ``page``
-        and ``position`` what ``locate`` gives to copy it from."""
-        key = first + my_row
-        slot, offset = key // walk[0], key % walk[0]
-        page, position = locate(page_table, b, key, end, slot, offset)
-        return b, c, end, n_tiles, key, slot, offset, page, position
-
-    @cuda.jit(device=True, forceinline=True)
-    def copy_next(view, bars, ckv, kpe, stage, stream, page_table, seqlens, items, walk, group, my_row, my_lane):
-        """Start this thread's copies of its stream's next tile into ring ``stage``; the stream moves on
-        to its row of the tile after, in this item or (persistent) the next one with keys."""
-        b, c, end, left, key, slot, offset, page, position = stream
-        load_tile_async(view, bars, ckv, kpe, stage, page, position, key < end, group, my_row, my_lane)
-        if PERSISTENT and left == 1:
-            next_b, next_c = next_item(b, c, items)
-            return stream_at(next_b, next_c, page_table, seqlens, items)
-        key, slot, offset, page, position = next_row(page_table, b, key, slot, offset, end, walk[0], walk[1], walk[2])
-        return b, c, end, left - 1 if PERSISTENT else left, key, slot, offset, page, position
-
-    @cuda.jit(device=True, forceinline=True)
-    def stream_more(stream, issued):
-        """Whether the copy stream has a tile left: a persistent stream counts its tiles down; otherwise
-        ``issued`` of the item's ``stream[3]`` tiles have been started."""
-        if PERSISTENT:
-            return stream[3] > 0
-        return issued < stream[3]
+    item_span, next_item, next_with_keys, stream_at, stream_start, copy_next, stream_more = copy_streams(
+        BLOCK_N, PERSISTENT, locate, next_row, load_tile_async)
 
     @cuda.jit(device=True, forceinline=True)
     def load_q_async(view, bars, q_nope, q_pe, b, head0, heads, half):
