@@ -34,24 +34,32 @@ class KernelCacheHit:
         kernel_cache.cached_kernel(key, lambda: None)
 
 
-class FirstCall:
+class _FreshCacheDirectory:
+    """A GPU benchmark of first calls in fresh processes, with a kernel cache directory of its own."""
+
     timeout = 600
     number, repeat = 1, 1
+
+    def setup(self, *params):
+        if numattn.SIMULATOR:
+            raise NotImplementedError("needs a GPU")
+        self.directory = tempfile.mkdtemp()
+
+    def teardown(self, *params):
+        if hasattr(self, "directory"):  # (setup may have raised)
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class FirstCall(_FreshCacheDirectory):
     params = ["filled", "off"]
     param_names = ["cache"]
 
     def setup(self, cache):
-        if numattn.SIMULATOR:
-            raise NotImplementedError("needs a GPU")
-        self.directory = tempfile.mkdtemp()
+        super().setup(cache)
         if cache == "filled":
             from numattn.bench import cold_start_run
 
             cold_start_run("attention bf16 D128 causal", self.directory)  # compiles and stores
-
-    def teardown(self, cache):
-        if hasattr(self, "directory"):  # (setup may have raised)
-            shutil.rmtree(self.directory, ignore_errors=True)
 
     def track_first_call_s(self, cache):
         from numattn.bench import cold_start_run
@@ -62,21 +70,13 @@ class FirstCall:
     track_first_call_s.unit = "s"
 
 
-class FirstTrainingStep:
-    timeout = 600
-    number, repeat = 1, 1
+class FirstTrainingStep(_FreshCacheDirectory):
     params = ["ahead", "in turn"]
     param_names = ["backward compiled"]
 
-    def setup(self, compiled):
-        if numattn.SIMULATOR:
-            raise NotImplementedError("needs a GPU")
-        self.directory = tempfile.mkdtemp()
-
     def teardown(self, compiled):
         os.environ.pop("NUMATTN_COMPILE_AHEAD", None)
-        if hasattr(self, "directory"):
-            shutil.rmtree(self.directory, ignore_errors=True)
+        super().teardown(compiled)
 
     def track_first_training_step_s(self, compiled):
         from numattn.bench import cold_start_run

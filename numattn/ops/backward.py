@@ -65,10 +65,12 @@ def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None):
     return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
 
 
+@functools.lru_cache(maxsize=64)
 def _backward_specs(dtype, head_dim, head_dim_v, causal, config):
     """``{name: KernelSpec}`` of the kernels a backward of these operands launches (``config`` None: on CUDA
     cores): their argument types (each array's storage dtype and rank, then the float32 scalars) are
-    those of the tensors ``attention_backward`` passes."""
+    those of the tensors ``attention_backward`` passes. Built once per operand kind, not per backward
+    call."""
     storage, f32 = storage_dtype(dtype), np.dtype(np.float32)
     grads = storage if config is not None else f32  # dk and dv: the inputs' dtype on tensor cores
     what = f"{dtype} d={head_dim}/{head_dim_v} causal={causal}"
@@ -104,21 +106,22 @@ def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device):
 def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream):
     """Launch the kernel of ``spec`` on ``(*arrays, *scalars)``: torch tensors (16-bit floats as uint16
     storage) and float32 scalars."""
-    kernel = spec.factory(*spec.args)
     if SIMULATOR:
         views = [host_storage(x, describe(x, "array")) for x in arrays]
-        compiled(kernel, None, 0, shared_bytes, spec.label).launch_arrays(grid, threads, *views, *scalars)
+        compiled(spec.factory(*spec.args), None, 0, shared_bytes, spec.label).launch_arrays(grid, threads, *views,
+                                                                                           *scalars)
         return
     layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
-    launch = _prepared(kernel, spec, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
+    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
     launch(stream, *(x.data_ptr() for x in arrays))
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(kernel, spec, grid, threads, shared_bytes, layout, scalars, device):
-    """The prepared launch of ``kernel`` on arrays of ``layout`` (shape and strides of each, their types
-    those of ``spec``) and ``scalars``, built once per training shape rather than on every backward call."""
-    launcher = compiled(kernel, spec.argtypes, device, shared_bytes, spec.label)
+def _prepared(spec, grid, threads, shared_bytes, layout, scalars, device):
+    """The prepared launch of ``spec``'s kernel on arrays of ``layout`` (shape and strides of each, their
+    types those of ``spec``) and ``scalars``, built once per training shape rather than on every backward
+    call."""
+    launcher = compiled(spec.factory(*spec.args), spec.argtypes, device, shared_bytes, spec.label)
     itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes[:len(layout)]]
     fields, slots = array_fields([(shape, strides, size) for (shape, strides), size in zip(layout, itemsizes, strict=True)])
     return launcher.prepare(grid, threads, fields + list(scalars), slots)
