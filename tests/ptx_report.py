@@ -1,4 +1,10 @@
-"""Compile numattn kernels to PTX without a GPU and print facts about the code, as JSON.
+"""Compile numattn kernels without a GPU and report on the code.
+
+``python tests/ptx_report.py`` prints facts about each variant's PTX as JSON (the tests run it).
+``python tests/ptx_report.py --resources`` compiles each variant (and the backward and MLA kernels) the
+way numba does on an sm_90 GPU, LTO-IR from NVVM linked by nvJitLink for sm_90a, and prints the
+registers and spills ptxas reports: a change that makes a kernel spill shows here, without a GPU, as
+long as the toolkit's NVVM and nvJitLink are the versions of the GPU machine.
 
 Run as a script with NUMBA_ENABLE_CUDASIM=0 (the tests do this in a subprocess,
 since their own process may be running the simulator).
@@ -22,16 +28,22 @@ from numattn.configs.attention import (
     choose_mma_config,  # noqa: E402
     choose_wgmma_config,  # noqa: E402
 )
+from numattn.configs.backward import choose_backward_config, choose_backward_wgmma_config  # noqa: E402
+from numattn.configs.mla import mla_default_config  # noqa: E402
+from numattn.kernels.attention_backward_mma import backward_mma_kernel  # noqa: E402
+from numattn.kernels.attention_backward_wgmma import backward_wgmma_kernel  # noqa: E402
 from numattn.kernels.attention_mma import mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import simt_attention_kernel  # noqa: E402
 from numattn.kernels.attention_wgmma import wgmma_attention_kernel  # noqa: E402
 from numattn.kernels.decode import decode_kernel, decode_mma_kernel  # noqa: E402
+from numattn.kernels.mla import mla_decode_kernel  # noqa: E402
 
 SIGNATURE = {
     storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
     for storage in (types.uint16, types.float32)
 }
-_U16, _F32, _I32 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4), (types.float32, 3), (types.int32, 2)))
+_U16, _F32, _I32, _U16_3 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4), (types.float32, 3),
+                                                                  (types.int32, 2), (types.uint16, 3)))
 # split launches: partial outputs [.., S, Dv] and log2-sum-exps, the last-block tickets, the scale
 SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), _I32,
                    types.float32)
@@ -50,47 +62,100 @@ def report(ptx):
     }
 
 
-def main():
-    results = {}
+def variants():
+    """``(name, kernel, signature)`` of the kernel variants whose PTX facts the tests check."""
     for dtype in ("float16", "bfloat16", "float32"):
         storage = types.float32 if dtype == "float32" else types.uint16
         for causal in (False, True):
             for head_dim in (64, 128):
                 kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), dtype, head_dim, head_dim, causal, True)
-                ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[storage], cc=(9, 0))
-                results[f"simt-{dtype}-causal{int(causal)}-d{head_dim}"] = report(ptx)
+                yield f"simt-{dtype}-causal{int(causal)}-d{head_dim}", kernel, SIGNATURE[storage]
     for dtype in ("float16", "bfloat16"):
         for head_dim in (64, 128, 256):  # the tile configurations chosen on an sm_90 GPU
             config = choose_mma_config(head_dim, head_dim, 227 * 1024)
             kernel = mma_attention_kernel(config, dtype, head_dim, head_dim, True, True)
-            ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
-            results[f"mma-{dtype}-causal1-d{head_dim}"] = report(ptx)
+            yield f"mma-{dtype}-causal1-d{head_dim}", kernel, SIGNATURE[types.uint16]
             config = choose_wgmma_config(head_dim, head_dim, 227 * 1024)
             kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True, True)
-            ptx, _ = cuda.compile_ptx(kernel.py_func, SIGNATURE[types.uint16], cc=(9, 0))
-            results[f"wgmma-{dtype}-causal1-d{head_dim}"] = report(ptx)
-    # split launches whose last block merges and resets its ticket counter for the next launch
-    split_kernels = {
-        "split-decode-mma": (decode_mma_kernel("float16", 128, 128, 4, 1, False, False, True, False, 3), DECODE_SIGNATURE),
-        "split-decode-simt": (decode_kernel("float16", 128, 128, 4, 1, 16, False, True, True, False, True),
-                              DECODE_SIGNATURE),
-        "split-mma-attention": (mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False,
-                                                     False, True), SPLIT_SIGNATURE),
-    }
+            yield f"wgmma-{dtype}-causal1-d{head_dim}", kernel, SIGNATURE[types.uint16]
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
-    ptx, _ = cuda.compile_ptx(clustered.py_func, SPLIT_SIGNATURE, cc=(9, 0))
-    results["cluster-mma-attention"] = report(ptx)
-    for name, (kernel, signature) in split_kernels.items():
+    yield "cluster-mma-attention", clustered, SPLIT_SIGNATURE
+    # split launches whose last block merges and resets its ticket counter for the next launch
+    yield ("split-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, False, False, True, False, 3),
+           DECODE_SIGNATURE)
+    yield ("split-decode-simt", decode_kernel("float16", 128, 128, 4, 1, 16, False, True, True, False, True),
+           DECODE_SIGNATURE)
+    yield ("split-mma-attention",
+           mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False, False, True),
+           SPLIT_SIGNATURE)
+    # a paged cache: page indices copied into shared memory tiles ahead of their keys
+    yield "paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, True, True, False, False, 2), DECODE_SIGNATURE
+
+
+def training_and_mla_variants():
+    """``(name, kernel, signature)`` of the backward's tensor-core kernels (the configurations chosen on an
+    sm_90 GPU) and the MLA decode kernel of DeepSeek's sizes, which ``--resources`` reports too."""
+    limits = {"cc": (9, 0), "max_shared": 227 * 1024}
+    backward = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32, types.float32)
+    for dtype in ("float16", "bfloat16"):
+        for head_dim in (64, 128):
+            config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
+            yield (f"backward-wgmma-{dtype}-causal1-d{head_dim}",
+                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), backward)
+            config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
+            yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
+                   backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
+    mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
+           types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)
+    for heads in (16, 128):
+        config = mla_default_config(512, 64, limits["cc"], heads)
+        yield (f"mla-float16-{heads}-heads", mla_decode_kernel("float16", 512, 64, config, split=False, write_lse=False),
+               mla)
+
+
+def main():
+    results = {}
+    for name, kernel, signature in variants():
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=(9, 0))
         results[name] = report(ptx)
-    # a paged cache: page indices copied into shared memory tiles ahead of their keys
-    paged = decode_mma_kernel("float16", 128, 128, 4, 1, True, True, False, False, 2)
-    ptx, _ = cuda.compile_ptx(paged.py_func, DECODE_SIGNATURE, cc=(9, 0))
-    results["paged-decode-mma"] = report(ptx)
     json.dump(results, sys.stdout)
 
 
+def linked_resources(kernel, signature):
+    """``(registers, spill store bytes, spill load bytes)`` of ``kernel`` compiled as numba does on an sm_90 GPU:
+    LTO-IR from NVVM for compute_90a, linked by nvJitLink for sm_90a under the kernel's register limit."""
+    from cuda.bindings import nvjitlink
+
+    ltoir, _ = cuda.compile(kernel.py_func, signature, device=False, cc=(9, 0, "a"), opt=True, abi="numba",
+                            output="ltoir")
+    options = ["-arch=sm_90a", "-lto", "-verbose"]
+    if kernel.targetoptions.get("max_registers"):
+        options.append(f"-maxrregcount={kernel.targetoptions['max_registers']}")
+    handle = nvjitlink.create(len(options), options)
+    try:
+        nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, ltoir, len(ltoir), "kernel")
+        nvjitlink.complete(handle)
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+    finally:
+        nvjitlink.destroy(handle)
+    log = log.decode(errors="replace")
+    registers = re.search(r"Used (\d+) registers", log)
+    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
+    return int(registers.group(1)), int(stores), int(loads)
+
+
+def resources():
+    from numba.cuda.cudadrv import nvvm
+
+    print(f"NVVM {'.'.join(map(str, nvvm.NVVM().get_version()))}, sm_90a, link-time optimised")
+    print(f"{'kernel':40} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    for name, kernel, signature in (*variants(), *training_and_mla_variants()):
+        registers, stores, loads = linked_resources(kernel, signature)
+        print(f"{name:40} {registers:9d} {stores:12d} {loads:11d}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    resources() if "--resources" in sys.argv[1:] else main()
