@@ -1,0 +1,131 @@
+"""numattn at a base revision against the working tree, in one process on one GPU.
+
+    python benchmarks/ab.py BASE [--json PATH]
+
+``BASE`` is a git revision of this repository. Its ``numattn`` package is exported (``git archive``) into
+a temporary directory and imported as ``numattn_base`` beside the working tree's ``numattn`` (the
+package imports itself relatively, so the copy runs as it was). Each case runs once in each package
+(outputs compared), then both are timed in turns, five rounds after the GPU's clocks are warmed:
+per round the median of CUDA-event timings with the L2 cache flushed. A restructuring that should
+change nothing shows ratios within noise (about ±2%).
+
+Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not), decode (B64 Hq32 Hkv8
+L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (B768 H64 L2048, rank 512,
+rope 64, pages of one row), forward + backward (B4 H32 L4096 D128 bf16, causal), each with its
+default arguments.
+"""
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_NAME = "numattn_base"
+
+
+def import_base(revision, into):
+    """``numattn`` at git ``revision``, exported into directory ``into`` and imported as ``numattn_base``."""
+    archive = subprocess.run(["git", "archive", revision, "numattn"], cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    (Path(into) / "numattn").rename(Path(into) / BASE_NAME)
+    sys.path.insert(0, str(into))
+    return importlib.import_module(BASE_NAME)
+
+
+def cases(torch, packages):
+    """``{case: {package name: call}}`` on fresh random inputs."""
+    from numattn.bench import paged_copy
+
+    def rnd(*shape, dtype=torch.float16, grad=False):
+        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=grad)
+
+    def per_package(call):
+        return {pkg.__name__: (lambda pkg=pkg: call(pkg)) for pkg in packages}
+
+    table = {}
+    for batch, heads, seqlen, head_dim, dtype in ((4, 32, 4096, 128, torch.bfloat16), (8, 16, 2048, 64, torch.float16)):
+        q, k, v = (rnd(batch, heads, seqlen, head_dim, dtype=dtype) for _ in range(3))
+        for causal in (False, True):
+            name = f"prefill B{batch} H{heads} L{seqlen} D{head_dim} {str(dtype)[6:]}{' causal' if causal else ''}"
+            table[name] = per_package(lambda pkg, q=q, k=k, v=v, causal=causal: pkg.attention(q, k, v, causal=causal))
+
+    query = rnd(64, 32, 128)
+    k_cache, v_cache = rnd(64, 8, 4096, 128), rnd(64, 8, 4096, 128)
+    lengths = torch.full((64,), 4096, dtype=torch.int32, device="cuda")
+    k_pages, v_pages, page_table = paged_copy(torch, k_cache, v_cache, 16)
+    table["decode B64 Hq32 Hkv8 L4096 D128 fp16"] = per_package(lambda pkg: pkg.decode(query, k_cache, v_cache))
+    table["decode, seqlens"] = per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths))
+    table["paged_decode, pages of 16"] = per_package(
+        lambda pkg: pkg.paged_decode(query, k_pages, v_pages, page_table, lengths))
+
+    batch, heads, seqlen, rank, rope = 768, 64, 2048, 512, 64
+    mla = (rnd(batch, heads, rank), rnd(batch, heads, rope), rnd(batch * seqlen, 1, rank),
+           rnd(batch * seqlen, 1, rope), torch.randperm(batch * seqlen, device="cuda").reshape(batch, seqlen).int(),
+           torch.full((batch,), seqlen, device="cuda", dtype=torch.int32))
+    table["mla_decode B768 H64 L2048, pages of 1"] = per_package(lambda pkg: pkg.mla_decode(*mla, scale=0.1))
+
+    leaves = [rnd(4, 32, 4096, 128, dtype=torch.bfloat16, grad=True) for _ in range(3)]
+    do = rnd(4, 32, 4096, 128, dtype=torch.bfloat16)
+
+    def training_step(pkg):
+        for x in leaves:
+            x.grad = None
+        importlib.import_module(f"{pkg.__name__}.torch").attention(*leaves, causal=True).backward(do)
+        return leaves[0].grad
+
+    table["forward + backward B4 H32 L4096 D128 bf16 causal"] = per_package(training_step)
+    return table
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base", help="git revision of the package to compare the working tree with")
+    parser.add_argument("--json", help="write the rows and the run's facts to this file")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import numattn
+    from numattn.bench import cuda_time_ms, run_facts, warm_clocks
+
+    with tempfile.TemporaryDirectory() as into:
+        base = import_base(args.base, into)
+        rows, table = [], cases(torch, (base, numattn))
+        for name, calls in table.items():
+            first, outputs = {}, {}
+            for pkg, call in calls.items():
+                start = time.perf_counter()
+                outputs[pkg] = call()
+                torch.cuda.synchronize()
+                first[pkg] = time.perf_counter() - start
+            base_out, new_out = (out[0] if isinstance(out, tuple) else out for out in outputs.values())
+            rows.append({"case": name, "max_abs_difference": (base_out.float() - new_out.float()).abs().max().item(),
+                         "first_call_s": first})
+        warm_clocks(torch, 2.0)
+        for row, calls in zip(rows, table.values(), strict=True):
+            times = {pkg: [] for pkg in calls}
+            repeat = 5 if "backward" in row["case"] else 20
+            for _ in range(args.rounds):
+                for pkg, call in calls.items():
+                    times[pkg].append(cuda_time_ms(call, repeat=repeat) * 1e3)
+            row["base_us"], row["new_us"] = (statistics.median(ts) for ts in times.values())
+            row["ratio"] = row["new_us"] / row["base_us"]
+            print(f"{row['case']:50} {row['base_us']:9.1f} {row['new_us']:9.1f} {row['ratio']:7.3f}"
+                  f"   max |base - new| {row['max_abs_difference']:.3g}", flush=True)
+    if args.json:
+        facts = dict(run_facts(torch), base=args.base, command=" ".join(["python", "benchmarks/ab.py", *sys.argv[1:]]))
+        Path(args.json).write_text(json.dumps({"run": facts, "ab": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
