@@ -2,9 +2,10 @@
 
     python benchmarks/ab.py BASE [--json PATH]
 
-``BASE`` is a git revision of this repository. Its ``numattn`` package is exported (``git archive``) into
-a temporary directory and imported as ``numattn_base`` beside the working tree's ``numattn`` (the
-package imports itself relatively, so the copy runs as it was). Each case runs once in each package
+``BASE`` is a git revision of this repository, or a directory holding the base's ``numattn`` package. The
+package is exported (``git archive``) or copied into a temporary directory and imported as
+``numattn_base`` beside the working tree's ``numattn`` (the package imports itself relatively, so the
+copy runs as it was). Each case runs once in each package
 (outputs compared), then both are timed in turns, five rounds after the GPU's clocks are warmed:
 per round the median of CUDA-event timings with the L2 cache flushed. A restructuring that should
 change nothing shows ratios within noise (about ±2%).
@@ -12,12 +13,14 @@ change nothing shows ratios within noise (about ±2%).
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not), decode (B64 Hq32 Hkv8
 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (B768 H64 L2048, rank 512,
 rope 64, pages of one row), forward + backward (B4 H32 L4096 D128 bf16, causal), each with its
-default arguments.
+default arguments. Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``:
+rounds of 50 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
 """
 
 import argparse
 import importlib
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,12 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_NAME = "numattn_base"
 
 
-def import_base(revision, into):
-    """``numattn`` at git ``revision``, exported into directory ``into`` and imported as ``numattn_base``."""
-    archive = subprocess.run(["git", "archive", revision, "numattn"], cwd=ROOT, capture_output=True, check=True).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
-    (Path(into) / "numattn").rename(Path(into) / BASE_NAME)
+def import_base(base, into):
+    """``numattn`` at git revision ``base`` (or the package in directory ``base``), put into directory
+    ``into`` and imported as ``numattn_base``."""
+    if Path(base, "numattn").is_dir():
+        shutil.copytree(Path(base, "numattn"), Path(into) / BASE_NAME)
+    else:
+        archive = subprocess.run(["git", "archive", base, "numattn"], cwd=ROOT, capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=BytesIO(archive)) as tar:
+            tar.extractall(into, filter="data")
+        (Path(into) / "numattn").rename(Path(into) / BASE_NAME)
     sys.path.insert(0, str(into))
     return importlib.import_module(BASE_NAME)
 
@@ -86,9 +93,35 @@ def cases(torch, packages):
     return table
 
 
+def host_cases(torch, packages):
+    """``{case: {package name: call}}`` of tiny problems, whose time is the host's."""
+
+    def rnd(*shape, dtype=torch.float16):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def per_package(call):
+        return {pkg.__name__: (lambda pkg=pkg: call(pkg)) for pkg in packages}
+
+    q, k, v = (rnd(1, 1, 16, 64) for _ in range(3))
+    query, k_cache, v_cache = rnd(1, 8, 128), rnd(1, 2, 256, 128), rnd(1, 2, 256, 128)
+    plans = {pkg.__name__: pkg.decode_plan(query, k_cache, v_cache) for pkg in packages}
+    lengths = torch.full((1,), 256, dtype=torch.int32, device="cuda")
+    mla = [rnd(1, 16, 512), rnd(1, 16, 64), rnd(8192, 1, 512), rnd(8192, 1, 64),
+           torch.arange(8192, device="cuda", dtype=torch.int32)[None], torch.full((1,), 8192, device="cuda",
+                                                                                  dtype=torch.int32)]
+    return {
+        "host: attention B1 H1 L16 D64": per_package(lambda pkg: pkg.attention(q, k, v)),
+        "host: attention, return_lse": per_package(lambda pkg: pkg.attention(q, k, v, return_lse=True)),
+        "host: decode B1 Hq8 Hkv2 L256 D128": per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, check=False)),
+        "host: decode, seqlens (checked)": per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths)),
+        "host: decode_plan": {name: (lambda plan=plan: plan(query)) for name, plan in plans.items()},
+        "host: mla_decode B1 H16 L8192 (split)": per_package(lambda pkg: pkg.mla_decode(*mla, scale=0.1, check=False)),
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("base", help="git revision of the package to compare the working tree with")
+    parser.add_argument("base", help="git revision (or directory holding the numattn package) to compare with")
     parser.add_argument("--json", help="write the rows and the run's facts to this file")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
@@ -96,7 +129,7 @@ def main(argv=None):
     import torch
 
     import numattn
-    from numattn.bench import cuda_time_ms, run_facts, warm_clocks
+    from numattn.bench import cuda_time_ms, host_overhead_us, run_facts, warm_clocks
 
     with tempfile.TemporaryDirectory() as into:
         base = import_base(args.base, into)
@@ -122,6 +155,13 @@ def main(argv=None):
             row["ratio"] = row["new_us"] / row["base_us"]
             print(f"{row['case']:50} {row['base_us']:9.1f} {row['new_us']:9.1f} {row['ratio']:7.3f}"
                   f"   max |base - new| {row['max_abs_difference']:.3g}", flush=True)
+        host = host_cases(torch, (base, numattn))
+        timed = host_overhead_us({(case, pkg): call for case, calls in host.items() for pkg, call in calls.items()})
+        for case in host:
+            row = {"case": case, "base_us": timed[case, BASE_NAME], "new_us": timed[case, "numattn"]}
+            row["ratio"] = row["new_us"] / row["base_us"]
+            rows.append(row)
+            print(f"{case:50} {row['base_us']:9.1f} {row['new_us']:9.1f} {row['ratio']:7.3f}", flush=True)
     if args.json:
         facts = dict(run_facts(torch), base=args.base, command=" ".join(["python", "benchmarks/ab.py", *sys.argv[1:]]))
         Path(args.json).write_text(json.dumps({"run": facts, "ab": rows}, indent=1) + "\n")

@@ -26,7 +26,7 @@ else:
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _STORAGE = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
-_TYPESTR = {"f2": "float16", "f4": "float32", "f8": "float64"}
+_TYPESTR = {"f2": "float16", "f4": "float32", "f8": "float64", "i4": "int32", "i8": "int64"}
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def bench_configs(shape, dtype, causal, configs):
         except Exception as exc:  # a configuration the device cannot hold
             rows.append({"config": config, "error": str(exc).splitlines()[0][:100]})
             continue
-        attrs = plan.launch_attention.kernel.attributes
+        attrs = plan.launch.kernel.attributes
         rows.append({"config": config, "ms": ms, "tflops": flops / ms / 1e9, "regs": attrs.regs, "local": attrs.local})
     return rows
 

@@ -198,3 +198,17 @@ def test_tune_names_its_arguments(rng, tmp_path, monkeypatch):
         numattn.tune(q, k, v, check=False)
     table = numattn.tune(q, k, v, return_lse=True)
     assert any(row["verified"] for row in table)
+
+
+@pytest.mark.parametrize("typestr, dtype", [("<f2", "float16"), ("<f4", "float32"), ("<i4", "int32"), ("<i8", "int64")])
+def test_cuda_array_interface_dtypes_are_named(typestr, dtype, monkeypatch):
+    """A device array known only by its ``__cuda_array_interface__`` (CuPy's, say) is described by its dtype's
+    name, so that a page table of int32 passes and one of int64 is refused by name."""
+    from numattn import _arrays
+
+    monkeypatch.setattr(_arrays, "_cai_device", lambda pointer: 0)  # no driver to ask without a GPU
+
+    class DeviceArray:
+        __cuda_array_interface__ = {"shape": (2, 3), "typestr": typestr, "data": (0, False), "version": 3}
+
+    assert _arrays.describe(DeviceArray(), "page_table").dtype == dtype

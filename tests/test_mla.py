@@ -253,3 +253,25 @@ def test_mla_decode_float32_on_gpu(rng):
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
     assert max_error(o, ref_o) <= ATOL["float32"]
     _assert_lse_matches(lse, ref_lse, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 4])
+def test_mla_decode_on_every_kind_of_array(rng, splits):
+    """torch tensors, numba device arrays (any ``__cuda_array_interface__``) and host arrays run the same
+    launches: the same bits, with and without key splits (each kind's split workspace)."""
+    from numba import cuda
+
+    args = _inputs(rng, 6, 32, 512, 64, 16, 20, "float16", library="torch", device="cuda")
+    p = module._validate(*args, 0.07, True)
+    want_o, want_lse = module._TorchPlan(p, None, splits)(*args)
+    device_arrays = [cuda.to_device(x.cpu().numpy()) for x in args]
+    o, lse = module._DevicePlan(module._validate(*device_arrays, 0.07, True), None, splits)(*device_arrays)
+    bits = want_o.cpu().numpy().view(np.uint16)
+    assert np.array_equal(o.copy_to_host().view(np.uint16), bits)
+    assert np.array_equal(lse.copy_to_host(), want_lse.cpu().numpy())
+    host = [x.cpu().numpy() for x in args]
+    o, lse = module._HostPlan(module._validate(*host, 0.07, True), None, splits)(*host)
+    assert np.array_equal(o.view(np.uint16), bits) and np.array_equal(lse, want_lse.cpu().numpy())
+    if splits is None:  # the public call takes device arrays of other libraries too
+        assert np.array_equal(numattn.mla_decode(*device_arrays, scale=0.07).copy_to_host().view(np.uint16), bits)

@@ -22,6 +22,7 @@ from . import kernel_cache
 from .launch import _compile, device_limits
 
 _WORKERS = []  # worker processes started by this process, reaped as they finish
+_REQUESTED = set()  # keys of the kernels handed to a worker by this process
 
 
 class KernelSpec(NamedTuple):
@@ -43,14 +44,16 @@ def enabled():
 
 def compile_ahead(specs, device_id):
     """Start a worker process compiling the ``KernelSpec`` s that the kernel cache lacks for device
-    ``device_id``; return it (a ``subprocess.Popen``), or None when nothing is to be done."""
+    ``device_id`` and that no earlier worker of this process was given; return it (a
+    ``subprocess.Popen``), or None when nothing is to be done."""
     if not enabled():
         return None
     cc, directory = device_limits(device_id)["cc"], kernel_cache.cache_directory()
     missing = []
     for spec in specs:
         key = kernel_cache.kernel_key(spec.factory(*spec.args), spec.argtypes, cc)
-        if key is not None and not (directory / (key + kernel_cache.SUFFIX)).exists():
+        if key is not None and key not in _REQUESTED and not (directory / (key + kernel_cache.SUFFIX)).exists():
+            _REQUESTED.add(key)
             missing.append((spec.factory.__module__, spec.factory.__qualname__, spec.args, spec.argtypes, spec.label))
     _WORKERS[:] = [worker for worker in _WORKERS if worker.poll() is None]
     if not missing:

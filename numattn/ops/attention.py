@@ -13,18 +13,14 @@ from .._arrays import (
     FLOAT_DTYPES,
     Array,
     Operand,
-    cai_stream,
     contiguous_strides,
     describe,
-    device_pointer,
-    empty_device_like,
     float32_values,
     from_dlpack,
     host_storage,
     is_torch,
     rounded_storage,
     storage_dtype,
-    torch_current,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
@@ -44,12 +40,12 @@ from ..kernels.attention_mma import mma_attention_kernel
 from ..kernels.attention_simt import simt_attention_kernel
 from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
-from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
-from .plans import PLANS, array_signature
-from .workspace import SplitWorkspaces, WorkspaceLayout
+from .plans import PLANS, LaunchPlan, array_signature, on_device
+from .workspace import WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
 _LAYOUT_AXES = {"bhsd": (0, 1, 2, 3), "bshd": (0, 2, 1, 3)}
@@ -300,7 +296,7 @@ def _split_shapes(p, grid, splits):
             (1, blocks))
 
 
-class _DevicePlan:
+class _DevicePlan(LaunchPlan):
     """Zero-copy launch on device arrays; per call only data pointers and the stream change."""
 
     def __init__(self, p, config=None, splits=1):
@@ -310,6 +306,8 @@ class _DevicePlan:
         f32 = types.float32
         self.problem, self.splits = p, splits
         self.split_shapes = _split_shapes(p, grid, splits)
+        self.device, self.dtype, self.out_shape = p.device, p.dtype, p.out_shape
+        self.lse_shape = p.lse_shape if p.return_lse else None
         self.workspace = WorkspaceLayout(self.split_shapes) if splits > 1 else None
         argtypes = (types.Array(storage, 4, "A"),) * 3 + (types.Array(storage, 4, "A"), types.Array(f32, 3, "A"))
         if splits > 1:
@@ -333,32 +331,11 @@ class _DevicePlan:
             arrays += [(shape, contiguous_strides(shape), 4) for shape in self.split_shapes]
         fields, slots = array_fields(arrays)
         fields.append(np.float32(p.scale * LOG2E))
-        # (stream, q, k, v, o, lse) or, with splits, (..., o_part, lse_part, counters)
-        self.launch_attention = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
-
-    def launch(self, stream, q, k, v, out, lse, counters=0):
-        """Launch on raw pointers; with splits, ``counters`` is a workspace laid out as ``self.workspace``."""
-        if self.workspace is None:
-            self.launch_attention(stream, q, k, v, out, lse)
-        else:
-            part, part_lse = self.workspace.partials(counters)
-            self.launch_attention(stream, q, k, v, out, lse, part, part_lse, counters)
+        # (stream, q, k, v, out, lse) or, with splits, (..., part, part_lse, counters)
+        self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
     def __call__(self, q, k, v, out):
-        p = self.problem
-        if out is None:
-            out = empty_device_like(q, p.out_shape, p.dtype, p.device)
-        lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
-        stream, counters = cai_stream(q), 0
-        if self.workspace is not None:
-            workspace = empty_device_like(q, (self.workspace.words,), "float32", p.device)
-            counters = device_pointer(workspace)
-            zero_words(counters, self.workspace.counter_words, stream)
-        self.launch(
-            stream, device_pointer(q), device_pointer(k), device_pointer(v), device_pointer(out),
-            device_pointer(lse) if lse is not None else 0, counters,
-        )
-        return (out, lse) if p.return_lse else out
+        return self.run_device_arrays((q, k, v), out)
 
 
 class _TorchPlan(_DevicePlan):
@@ -366,44 +343,14 @@ class _TorchPlan(_DevicePlan):
 
     def __init__(self, p, config=None, splits=1):
         super().__init__(p, config, splits)
-        import torch
-
-        self._torch = torch
-        self._get_device, self._stream = torch_current()
-        # torch.empty_like is torch's cheapest allocation (about half the host time
-        # of torch.empty with dtype and device). Its templates are stride-0 views of
-        # one element, whose empty_like is contiguous: 4 bytes kept per plan.
-        one = torch.empty(1, dtype=getattr(torch, p.dtype), device=torch.device("cuda", p.device))
-        self._out_template = one.expand(p.out_shape)
-        self._lse_template = one.float().expand(p.lse_shape)
-        layout = self.workspace
-        self._split_workspace = (None if layout is None else
-                                 SplitWorkspaces.getter(torch, p.device, layout.counter_words, layout.words))
+        self.run = self.torch_runner()
 
     def __call__(self, q, k, v, out):
-        p = self.problem
-        if self._get_device() != p.device:
-            with self._torch.cuda.device(p.device):
-                return self(q, k, v, out)
-        if out is None:
-            out = self._torch.empty_like(self._out_template)
-        lse = self._torch.empty_like(self._lse_template) if p.return_lse else None
-        self.launch_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
-        return (out, lse) if p.return_lse else out
-
-    def launch_pointers(self, q, k, v, out, lse):
-        """Launch on data pointers of tensors laid out as planned, on torch's current stream (of the
-        plan's device, which must be current), with the stream's split workspace."""
-        stream = self._stream(self.problem.device)
-        if self.workspace is None:
-            self.launch(stream, q, k, v, out, lse)
-            return
-        counters, part, _held = self._split_workspace(stream)  # held until the launch is queued
-        self.launch_attention(stream, q, k, v, out, lse, part, part + self.workspace.part_lse_offset, counters)
+        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr())
 
 
 class _HostPlan:
-    """Host arrays on a machine with a GPU: copy in, launch on the default device, copy out."""
+    """Host arrays on a machine with a GPU: copy in, launch on the current device, copy out."""
 
     def __init__(self, p, config=None, splits=1):
         device = cuda.get_current_device().id
@@ -411,28 +358,17 @@ class _HostPlan:
             name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
-        self.device_problem = replace(p, device=device, out=None, **contiguous)
-        self.device_plan = _DevicePlan(self.device_problem, config, splits)
+        self.device_plan = _DevicePlan(replace(p, device=device, out=None, **contiguous), config, splits)
         self.config, self.splits = self.device_plan.config, splits
         self.problem = p
 
     def __call__(self, q, k, v, out):
         p = self.problem
-        stored = [
-            cuda.to_device(np.ascontiguousarray(host_storage(x, op)))
-            for x, op in ((q, p.q), (k, p.k), (v, p.v))
-        ]
-        o = cuda.device_array(p.out_shape, dtype=storage_dtype(p.dtype))
-        lse = cuda.device_array(p.lse_shape, dtype=np.float32) if p.return_lse else None
-        plan = self.device_plan
-        workspace = cuda.to_device(np.zeros(plan.workspace.words, np.int32)) if plan.workspace else None
-        plan.launch(
-            0, *(a.device_ctypes_pointer.value for a in stored), o.device_ctypes_pointer.value,
-            0 if lse is None else lse.device_ctypes_pointer.value,
-            0 if workspace is None else workspace.device_ctypes_pointer.value,
-        )
-        result = _deliver(o.copy_to_host(), q, out, p)
-        return (result, wrap_host(lse.copy_to_host(), q, "float32")) if p.return_lse else result
+        stored = [host_storage(x, op) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        result = on_device(lambda *arrays: self.device_plan(*arrays, None), stored)
+        o, lse = result if p.return_lse else (result, None)
+        result = _deliver(o, q, out, p)
+        return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
 
 class _NoGpuPlan:

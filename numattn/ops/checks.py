@@ -15,6 +15,7 @@ import numpy as np
 from .._arrays import FLOAT_DTYPES, describe
 from .._cuda import cuda
 from ..kernels import index_check
+from ..kernels.compile_ahead import KernelSpec
 from ..kernels.launch import array_fields, compiled, driver_call, flatten_array, zero_words
 from .plans import where
 
@@ -132,6 +133,16 @@ class _Reports:
 _REPORTS = {}
 
 
+def index_check_spec(paged):
+    """The ``KernelSpec`` of the check kernel for a page table (``paged``) or a contiguous cache."""
+    from numba import types
+
+    i32, i64 = types.int32, types.int64
+    argtypes = (types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), i64, i64, i64, types.Array(i32, 1, "A"),
+                types.Array(i32, 1, "A"))
+    return KernelSpec(index_check.index_check_kernel, (paged,), argtypes, f"index check paged={paged}")
+
+
 class DeviceIndexCheck:
     """The check kernel prepared for one call layout: ``check(stream, page_table, seqlens)`` on data
     pointers (0 for no page table) raises what an earlier check on this GPU found, then queues the
@@ -140,18 +151,14 @@ class DeviceIndexCheck:
     def __init__(self, device, table, seqlens, capacity, page_size, num_pages):
         """``table`` and ``seqlens``: ``(shape, strides)`` of the int32 arrays (``table`` None for a
         contiguous cache of ``capacity`` keys)."""
-        from numba import types
-
         reports = _REPORTS.get(device)
         if reports is None:
             reports = _REPORTS[device] = _Reports(device)
         self._reports = reports
         paged = table is not None
         table = table if paged else ((1, 1), (1, 1))
-        i32, i64 = types.int32, types.int64
-        argtypes = (types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), i64, i64, i64, types.Array(i32, 1, "A"),
-                    types.Array(i32, 1, "A"))
-        kernel = compiled(index_check.index_check_kernel(paged), argtypes, device, 0, f"index check paged={paged}")
+        spec = index_check_spec(paged)
+        kernel = compiled(spec.factory(*spec.args), spec.argtypes, device, 0, spec.label)
         fields, slots = array_fields([(*table, 4), (*seqlens, 4)])
         fields += [capacity, page_size, num_pages, *flatten_array(reports.claim, (1,), (1,), 4),
                    *flatten_array(reports.record_device, (index_check.RECORD_WORDS,), (1,), 4)]

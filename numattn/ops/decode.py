@@ -20,8 +20,6 @@ from .._arrays import (
     cai_stream,
     contiguous_strides,
     describe,
-    device_pointer,
-    empty_device_like,
     float32_values,
     from_dlpack,
     host_storage,
@@ -33,6 +31,7 @@ from .._arrays import (
 )
 from .._cuda import SIMULATOR, cuda, simulating
 from ..kernels import cpu
+from ..kernels.compile_ahead import compile_ahead
 from ..kernels.constants import LOG2E
 from ..kernels.decode import (
     MMA_KEYS,
@@ -45,7 +44,7 @@ from ..kernels.decode import (
     decode_mma_shared_bytes,
     decode_mma_supported,
 )
-from ..kernels.launch import array_fields, compiled, device_limits, zero_words
+from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS
 from ..tuning.models import split_candidates, split_count
 from ..tuning.store import tuned_config
@@ -56,10 +55,11 @@ from .checks import (
     check_index_operand,
     check_lengths_and_pages,
     host_values,
+    index_check_spec,
     page_table_operands,
 )
-from .plans import PLANS, TorchOutputs, array_pointer, array_signature, tensor_pointer
-from .workspace import SplitWorkspaces, WorkspaceLayout, capturing_now
+from .plans import PLANS, LaunchPlan, array_pointer, array_signature, on_device, tensor_pointer
+from .workspace import WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
@@ -334,7 +334,7 @@ class _Plan:
         ]
 
 
-class _DevicePlan(_Plan):
+class _DevicePlan(_Plan, LaunchPlan):
     """Launches on device arrays: prepared argument blocks, only pointers and the stream change per call."""
 
     def __init__(self, p, splits=None):
@@ -347,13 +347,22 @@ class _DevicePlan(_Plan):
             types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(i32, 2, "A"),
             f32,
         )
+        if p.seqlens is not None:  # the checked call's index check compiles in a worker process meanwhile
+            compile_ahead([index_check_spec(p.page_table is not None)], p.device)
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields(self.arrays())
         fields.append(np.float32(p.scale * LOG2E))
-        self._kernel, self._fields, self._slots = kernel, fields, slots
-        self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, slots)
-        self.workspace = WorkspaceLayout(self.workspace_shapes)
+        # (stream, q, k, v, page_table, seqlens, out, lse) and with splits (..., part, part_lse, counters); the
+        # kernel reads no workspace without splits
+        self._kernel, self._fields, self._slots = kernel, fields, slots if self.split else slots[:7]
+        self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, self._slots)
+        self.device, self.dtype, self.out_shape = p.device, p.dtype, p.out_shape
+        self.lse_shape = p.lse_shape if p.return_lse else None
+        self.workspace = WorkspaceLayout(self.workspace_shapes) if self.split else None
         self._index_check = None
+
+    def __call__(self, q, k, v, page_table, seqlens, out=None):
+        return self.run_device_arrays((q, k, v, page_table, seqlens), out)
 
     def check_values(self, q, page_table, seqlens):
         """Raise what an earlier call's check found on this GPU, then queue the check of these lengths and
@@ -371,7 +380,7 @@ class _DevicePlan(_Plan):
 
     def bound_launch(self, k, v, page_table, seqlens):
         """A launch with the data pointers of the caches, page table and lengths (ints, 0 for none)
-        fixed; it takes those of q, out, lse, the partials, their LSEs and the counters."""
+        fixed; it takes those of q, out, lse (and with splits the workspace's, as ``launch``)."""
         fields = list(self._fields)
         for slot, pointer in zip(self._slots[1:5], (k, v, page_table, seqlens), strict=True):
             fields[slot] = pointer
@@ -384,12 +393,8 @@ class _TorchPlan(_DevicePlan):
 
     def __init__(self, p, splits=None):
         super().__init__(p, splits)
-        import torch
-
-        self._torch = torch
         self._current_stream = torch_current()[1]
-        self.outputs = TorchOutputs(torch, p.device, p.dtype, p.out_shape, p.lse_shape if p.return_lse else None, None)
-        self._run = self.runner(self.launch)
+        self._run = self.torch_runner()
 
     def __call__(self, q, k, v, page_table, seqlens, out=None):
         return self._run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
@@ -397,57 +402,6 @@ class _TorchPlan(_DevicePlan):
 
     def stream_of(self, q):
         return self._current_stream(self.problem.device)
-
-    def runner(self, launch):
-        """``run(out, *inputs)``: allocate the outputs (``out`` used when given), queue ``launch``
-        (``self.launch`` or a ``bound_launch``) on the input pointers on torch's current stream, and
-        return ``out`` or ``(out, lse)``. Everything a call looks up is bound here, once: this is a
-        decode loop's host path."""
-        p, torch = self.problem, self._torch
-        device, out_template, lse_template = p.device, self.outputs.out_template, self.outputs.lse_template
-        get_device, current_stream = torch_current()
-        single_device, empty_like = torch.cuda.device_count() == 1, torch.empty_like
-        workspace = (SplitWorkspaces.getter(torch, device, self.workspace.counter_words, self.workspace.words)
-                     if self.split else None)
-        part_lse_offset = self.workspace.part_lse_offset
-
-        def run(out, *inputs):
-            if not single_device and get_device() != device:
-                with torch.cuda.device(device):
-                    return run(out, *inputs)
-            if out is None:
-                out = empty_like(out_template)
-            lse = None if lse_template is None else empty_like(lse_template)
-            stream = current_stream(device)
-            part = part_lse = counters = 0
-            if workspace is not None:
-                counters, part, _held = workspace(stream)  # held until the launch is queued
-                part_lse = part + part_lse_offset
-            launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr(), part, part_lse, counters)
-            return out if lse is None else (out, lse)
-
-        return run
-
-
-class _CaiPlan(_DevicePlan):
-    """Other device arrays (numba, CuPy, ``__cuda_array_interface__``): outputs and split workspace allocated
-    like q, the workspace's counters zeroed on the launch's stream."""
-
-    def __call__(self, q, k, v, page_table, seqlens, out=None):
-        p = self.problem
-        if out is None:
-            out = empty_device_like(q, p.out_shape, p.dtype, p.device)
-        lse = empty_device_like(q, p.lse_shape, "float32", p.device) if p.return_lse else None
-        stream = cai_stream(q)
-        part = part_lse = counters = 0
-        if self.split:
-            workspace = empty_device_like(q, (self.workspace.words,), "float32", p.device)
-            counters = device_pointer(workspace)
-            zero_words(counters, self.workspace.counter_words, stream)
-            part, part_lse = self.workspace.partials(counters)
-        pointer = (lambda x: 0 if x is None else device_pointer(x))
-        self.launch(stream, *(pointer(x) for x in (q, k, v, page_table, seqlens, out, lse)), part, part_lse, counters)
-        return (out, lse) if lse is not None else out
 
 
 class _HostPlan(_Plan):
@@ -510,23 +464,20 @@ class _HostPlan(_Plan):
         return lse
 
     def _on_device(self, q, views):
+        """The device plan of this problem on contiguous copies of ``views`` on the current GPU."""
         p = self.problem
         device = cuda.get_current_device().id
-        arrays = [None if x is None else cuda.to_device(np.ascontiguousarray(x)) for x in views]
 
         def moved(a, x):
-            op = replace(a.op, kind="numba", device=device, ptr=0, strides=contiguous_strides(x.shape))
-            return _Array(op, x.shape, op.strides)
+            strides = contiguous_strides(x.shape)
+            return _Array(replace(a.op, kind="numba", device=device, ptr=0, strides=strides), x.shape, strides)
 
         names = ("q", "k", "v", "page_table", "seqlens")
-        fields = {name: moved(getattr(p, name), x) for name, x in zip(names, arrays, strict=True)
-                  if x is not None}
-        plan = _CaiPlan(replace(p, device=device, **fields), self.splits)
-        result = plan(*arrays)
+        fields = {name: moved(getattr(p, name), x) for name, x in zip(names, views, strict=True) if x is not None}
+        result = on_device(_DevicePlan(replace(p, device=device, **fields), self.splits), views)
         if p.return_lse:
-            o, lse = result
-            return wrap_host(o.copy_to_host(), q, p.dtype), wrap_host(lse.copy_to_host(), q, "float32")
-        return wrap_host(result.copy_to_host(), q, p.dtype)
+            return wrap_host(result[0], q, p.dtype), wrap_host(result[1], q, "float32")
+        return wrap_host(result, q, p.dtype)
 
 
 def tuning_options(p):
@@ -549,7 +500,7 @@ def _make_plan(p, splits=None):
         return _HostPlan(p.with_contiguous_out(), splits)  # computes into its own array, copied into an ``out``
     if all(op.kind == "torch" for op in ops):
         return _TorchPlan(p, splits)
-    return _CaiPlan(p, splits)
+    return _DevicePlan(p, splits)
 
 
 def _torch_key(kind, q, k, v, table, lengths, out, options):
@@ -761,7 +712,7 @@ class DecodePlan:
         if self._torch:
             self._plan = _make_plan(problem, _tuned_splits(problem))
             # on the GPU the caches' pointers are fixed in the launch (CPU tensors: the simulator's plan)
-            self._run = (self._plan.runner(self._plan.bound_launch(*map(tensor_pointer, self._bound)))
+            self._run = (self._plan.torch_runner(self._plan.bound_launch(*map(tensor_pointer, self._bound)))
                          if isinstance(self._plan, _TorchPlan) else None)
             self._q_signature = _tensor_signature(q)[0]
             self._out_signature = self._q_signature[:2] + (

@@ -14,8 +14,10 @@ from numba import types
 
 from .._arrays import (
     Array,
+    cai_stream,
     contiguous_strides,
     describe,
+    device_pointer,
     float32_values,
     host_storage,
     is_torch,
@@ -24,9 +26,10 @@ from .._arrays import (
     torch_current,
     wrap_host,
 )
-from .._cuda import SIMULATOR, simulating
+from .._cuda import SIMULATOR, cuda, simulating
 from ..configs.mla import mla_candidates, mla_config_error, mla_default_config, mla_shared_bytes
 from ..kernels import cpu
+from ..kernels.compile_ahead import KernelSpec, compile_ahead
 from ..kernels.constants import LOG2E
 from ..kernels.decode import NUM_THREADS
 from ..kernels.launch import array_fields, compiled, device_limits
@@ -36,10 +39,10 @@ from ..kernels.split_merge import MAX_SPLITS, combine_kernel
 from ..tuning.models import split_candidates, split_count
 from ..tuning.store import tuned_config
 from .attention import softmax_scale
-from .checks import DeviceIndexCheck, check_lengths_and_pages, page_table_operands
+from .checks import DeviceIndexCheck, check_lengths_and_pages, index_check_spec, page_table_operands
 from .decode import paged_decode
-from .plans import PLANS, TorchOutputs, array_signature, where
-from .workspace import capturing_now
+from .plans import PLANS, LaunchPlan, array_signature, on_device
+from .workspace import WorkspaceLayout, capturing_now
 
 MAX_RANK, MAX_ROPE = 512, 64
 RANK_MULTIPLE = 64  # the 16-bit kernels: 16 output columns per warp, 4 or 8 warps (``mla_candidates``)
@@ -151,28 +154,26 @@ class _Plan:
         kernel_config = replace(self.config, persistent=self.persistent)
         self.kernel = mla_decode_kernel(p.dtype, p.rank, p.rope, kernel_config, split=self.split, write_lse=p.return_lse)
         # the decode combine kernel sees the heads as one KV head's group of query rows
-        self.combine = combine_kernel(p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse) if self.split else None
+        self.combine_args = (p.dtype, p.rank, p.heads, 1, HEAD_ROWS, p.return_lse)
+        self.combine = combine_kernel(*self.combine_args) if self.split else None
         self.combine_grid = (-(-p.heads // HEAD_ROWS), p.batch)
         self.part_shape = (p.batch, p.heads, 1, self.splits, p.rank)
         self.label = f"mla {kernel_config} {p.dtype} rank={p.rank} rope={p.rope} splits={self.splits}"
 
-    def check_values(self, page_table, seqlens):
+    def check_values(self, q_nope, page_table, seqlens):
         """``ValueError`` for lengths above the table's capacity or used page indices outside the cache
-        (host arrays here; see ``_TorchPlan`` for device arrays)."""
+        (host arrays here; see ``_DevicePlan`` for device arrays)."""
         p = self.problem
         check_lengths_and_pages(seqlens, page_table, p.max_pages * p.page_size, "max_pages * page_size", p.page_size,
                                 p.num_pages)
 
 
-class _TorchPlan(_Plan):
-    """torch CUDA tensors on torch's current stream: prepared launches, outputs from torch's allocator."""
+class _DevicePlan(_Plan, LaunchPlan):
+    """Device arrays: prepared launches of the kernel (and, with splits, the combine), only pointers and the
+    stream change per call."""
 
     def __init__(self, p, config=None, splits=None):
         super().__init__(p, config, splits)
-        import torch
-
-        self._torch = torch
-        self._get_device, self._stream = torch_current()
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32, i32 = types.float32, types.int32
         arrays = [(shape, strides, 2) for shape, strides in p.shapes[:4]]
@@ -184,64 +185,97 @@ class _TorchPlan(_Plan):
         argtypes = (*(types.Array(storage, 3, "A"),) * 4, types.Array(i32, 2, "A"), types.Array(i32, 1, "A"),
                     types.Array(storage, 3, "A"), types.Array(f32, 2, "A"), types.Array(f32, 5, "A"),
                     types.Array(f32, 4, "A"), f32)
+        combine_types = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
+                         types.Array(f32, 3, "A"))
+        combine = KernelSpec(combine_kernel, self.combine_args, combine_types, f"combine {p.dtype} dv={p.rank}")
+        # the call's other kernels (the checked call's index check, the combine of splits) compile in a worker
+        # process while this one compiles here
+        compile_ahead([index_check_spec(True), *([combine] if self.split else [])], p.device)
         kernel = compiled(self.kernel, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields([*arrays, out, lse, part, part_lse])
         fields.append(np.float32(p.scale * LOG2E))
-        self.launch = kernel.prepare(self.grid, self.threads, fields, slots)
-        self.launch_combine = None
+        # (stream, q_nope, q_pe, ckv, kpe, page_table, seqlens, out, lse), with splits (..., part, part_lse)
+        self.launch_kernel = kernel.prepare(self.grid, self.threads, fields, slots if self.split else slots[:8])
+        self.device, self.dtype, self.out_shape = p.device, p.dtype, (p.batch, p.heads, p.rank)
+        self.lse_shape = (p.batch, p.heads) if p.return_lse else None
+        self.workspace = None
         if self.split:
-            ctypes = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
-                      types.Array(f32, 3, "A"))
-            combine = compiled(self.combine, ctypes, p.device, 0, f"combine {p.dtype} dv={p.rank}")
+            combine = compiled(self.combine, combine.argtypes, p.device, 0, combine.label)
             o4 = ((p.batch, p.heads, 1, p.rank), (p.heads * p.rank, p.rank, 0, 1), 2)
             lse3 = ((p.batch, p.heads, 1), (p.heads, 1, 0), 4) if p.return_lse else _unused(3)
             fields, slots = array_fields([part, part_lse, o4, lse3])
             self.launch_combine = combine.prepare(self.combine_grid, NUM_THREADS, fields, slots)
-        self.outputs = TorchOutputs(torch, p.device, p.dtype, (p.batch, p.heads, p.rank),
-                                    (p.batch, p.heads) if p.return_lse else None, self.part_shape if self.split else None)
+            self.workspace = WorkspaceLayout((self.part_shape, self.part_shape[:4], (0,)))  # partials, no counters
         self._index_check = None
 
-    def check_values(self, page_table, seqlens):
+    def launch(self, stream, q_nope, q_pe, ckv, kpe, page_table, seqlens, out, lse, part=0, part_lse=0, _counters=0):
+        """The kernel, and with splits the combine of its partial results."""
+        if self.workspace is None:
+            self.launch_kernel(stream, q_nope, q_pe, ckv, kpe, page_table, seqlens, out, lse)
+            return
+        self.launch_kernel(stream, q_nope, q_pe, ckv, kpe, page_table, seqlens, out, lse, part, part_lse)
+        self.launch_combine(stream, part, part_lse, out, lse)
+
+    def stream_of(self, q_nope):
+        """The raw handle of the stream a launch on ``q_nope`` runs on."""
+        return cai_stream(q_nope)
+
+    def check_values(self, q_nope, page_table, seqlens):
         """Raise what an earlier call's check found on this GPU, then queue the check of these lengths and
-        page indices on torch's current stream (no synchronisation)."""
+        page indices on the launch's stream (no synchronisation)."""
         if self._index_check is None:
             p = self.problem
             table, lengths = p.shapes[4:]
             self._index_check = DeviceIndexCheck(p.device, table, lengths, p.max_pages * p.page_size, p.page_size,
                                                  p.num_pages)
-        self._index_check(self._stream(self.problem.device), page_table.data_ptr(), seqlens.data_ptr())
+        self._index_check(self.stream_of(q_nope), device_pointer(page_table), device_pointer(seqlens))
 
-    def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
-        if self._get_device() != self.problem.device:
-            with self._torch.cuda.device(self.problem.device):
-                return self(q_nope, q_pe, ckv, kpe, page_table, seqlens)
-        out, lse, workspace, part, part_lse = self.outputs.allocate()  # workspace: referenced until queued
-        stream = self._stream(self.problem.device)
-        lse_ptr = 0 if lse is None else lse.data_ptr()
-        self.launch(stream, *(x.data_ptr() for x in (q_nope, q_pe, ckv, kpe, page_table, seqlens, out)), lse_ptr,
-                    part, part_lse)
-        if self.launch_combine is not None:
-            self.launch_combine(stream, part, part_lse, out.data_ptr(), lse_ptr)
-        return (out, lse) if lse is not None else out
+    def __call__(self, *arrays):
+        return self.run_device_arrays(arrays)
+
+
+class _TorchPlan(_DevicePlan):
+    """torch CUDA tensors on torch's current stream: outputs from torch's allocator, the split workspace
+    from ``SplitWorkspaces``."""
+
+    def __init__(self, p, config=None, splits=None):
+        super().__init__(p, config, splits)
+        self._current_stream = torch_current()[1]
+        self.run = self.torch_runner()
+
+    def stream_of(self, q_nope):
+        return self._current_stream(self.problem.device)
+
+    def __call__(self, *arrays):
+        return self.run(None, *(x.data_ptr() for x in arrays))
 
 
 class _HostPlan(_Plan):
-    """Host arrays: on a GPU machine they travel through torch CUDA tensors; without a GPU the CPU path
-    runs, or under ``numattn.simulate()`` the kernels in numba's simulator on numpy arrays."""
+    """Host arrays: on a GPU machine contiguous copies go through the device plan of the current GPU;
+    without a GPU the CPU path runs, or under ``numattn.simulate()`` the kernels in numba's simulator on
+    numpy arrays."""
 
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         p = self.problem
         arrays = [np.ascontiguousarray(host_storage(x, describe(x, "x"))) for x in (q_nope, q_pe, ckv, kpe)]
         arrays += [np.ascontiguousarray(_host_index(x)) for x in (page_table, seqlens)]
         if not SIMULATOR:
-            return self._through_torch(q_nope, arrays)
-        if simulating():
+            out, lse = self._on_device(arrays)
+        elif simulating():
             out, lse = self._simulated(arrays)
         else:
             o, lse = cpu.mla_decode(*(float32_values(a, p.dtype) for a in arrays[:4]), *arrays[4:], p.scale)
             out = rounded_storage(o, p.dtype)
         result = wrap_host(out, q_nope, p.dtype)
         return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
+
+    def _on_device(self, arrays):
+        """``(output storage, lse or None)`` of this plan's kernels on the current GPU."""
+        p = self.problem
+        shapes = tuple((a.shape, contiguous_strides(a.shape)) for a in arrays)
+        plan = _DevicePlan(replace(p, device=cuda.get_current_device().id, shapes=shapes), self.config, self.splits)
+        result = on_device(plan, arrays)
+        return result if p.return_lse else (result, None)
 
     def _simulated(self, arrays):
         """``(output storage, lse)`` of the GPU kernels in numba's simulator."""
@@ -256,18 +290,6 @@ class _HostPlan(_Plan):
             compiled(self.combine, None, 0, 0, "combine").launch_arrays(
                 self.combine_grid, NUM_THREADS, part, part_lse, out[:, :, None, :], lse[:, :, None])
         return out, lse
-
-    def _through_torch(self, like, arrays):
-        import torch
-
-        p = self.problem
-        tdtype = getattr(torch, p.dtype)
-        tensors = [torch.from_numpy(a).view(tdtype).cuda() for a in arrays[:4]]
-        tensors += [torch.from_numpy(a).cuda() for a in arrays[4:]]
-        result = mla_decode(*tensors, scale=p.scale, return_lse=p.return_lse, check=False)
-        o, lse = result if p.return_lse else (result, None)
-        o = wrap_host(o.view(torch.int16).cpu().numpy().view(np.uint16), like, p.dtype)
-        return (o, wrap_host(lse.cpu().numpy(), like, "float32")) if p.return_lse else o
 
 
 def _host_index(x):
@@ -333,15 +355,11 @@ def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, p
         p = _validate(*arrays, scale, return_lse)
         if p.dtype == "float32":
             return _through_decode(arrays, p, check)
-        plan = planned(p, *(_tuned(p) or (None, None))) if p.device is None or SIMULATOR or key is not None else None
-        if plan is None:
-            raise TypeError(f"mla_decode on a GPU takes torch tensors (or host arrays), got {type(q_nope).__name__} "
-                            f"on {where(p.device)}")
+        plan = planned(p, *(_tuned(p) or (None, None)), torch=key is not None)
         if key is not None:
             PLANS.store(key, plan)
-    p = plan.problem
-    if check and not (p.device is not None and _capturing_torch()):
-        plan.check_values(page_table, seqlens)
+    if check and not (key is not None and plan.problem.device is not None and _capturing_torch()):
+        plan.check_values(q_nope, page_table, seqlens)
     return plan(*arrays)
 
 
@@ -364,10 +382,12 @@ def _through_decode(arrays, p, check):
     return (result[0], result[1][:, :, 0]) if p.return_lse else result
 
 
-def planned(p, config=None, splits=None):
+def planned(p, config=None, splits=None, torch=True):
     """The plan of problem ``p`` with ``config`` and ``splits`` (the heuristic's where None): host arrays
-    (and the simulator) or torch CUDA tensors."""
-    return _HostPlan(p, config, splits) if p.device is None or SIMULATOR else _TorchPlan(p, config, splits)
+    (and the simulator), torch CUDA tensors (``torch``) or other device arrays."""
+    if p.device is None or SIMULATOR:
+        return _HostPlan(p, config, splits)
+    return (_TorchPlan if torch else _DevicePlan)(p, config, splits)
 
 
 def tuning_options(p):

@@ -1,9 +1,18 @@
 """What every op's plans share: the one plan cache, the signature of an array a plan depends on, data
-pointers, and the per-call outputs of a plan on torch tensors."""
+pointers, and the launch-plan stack: how one op's launch runs on torch tensors, on other device arrays
+(``__cuda_array_interface__``) and on host arrays through the GPU.
+
+An op's device plan derives from ``LaunchPlan`` and supplies its kernels' launch; everything else about
+the kinds of arrays lives here, once for every op. Host arrays without a GPU (the CPU path, the
+simulator) are each op's own: they run other code than the kernels' launch.
+"""
 
 import numpy as np
 
-from .._arrays import device_pointer, is_torch
+from .._arrays import cai_stream, device_pointer, empty_device_like, is_torch, torch_current
+from .._cuda import cuda
+from ..kernels.launch import zero_words
+from .workspace import SplitWorkspaces
 
 
 class PlanCache(dict):
@@ -50,32 +59,79 @@ def array_pointer(x):
     return 0 if x is None else device_pointer(x)
 
 
-class TorchOutputs:
-    """A plan's output, LSE and split workspace, allocated per call from torch's allocator.
+class LaunchPlan:
+    """An op's kernels prepared for one problem on one GPU, and how they run on each kind of device array.
 
-    The workspace is one fp32 buffer: the partial outputs ``part_shape``, then their
-    log2-sum-exps (``part_shape[:-1]``). ``lse_shape`` / ``part_shape`` None: not needed.
+    A subclass sets ``device`` (the GPU's id), ``dtype`` (the output's), ``out_shape``, ``lse_shape`` (None
+    when the call returns no log-sum-exp) and ``workspace`` (a ``WorkspaceLayout`` of the split workspace,
+    or None), and defines ``launch(stream, *inputs, out, lse)``, with a workspace ``launch(stream, *inputs,
+    out, lse, part, part_lse, counters)``: queue the kernels on the raw stream handle ``stream``, every
+    array given by its data pointer (0: absent).
     """
 
-    def __init__(self, torch, device, dtype, out_shape, lse_shape, part_shape):
-        one = torch.empty(1, dtype=getattr(torch, dtype), device=torch.device("cuda", device))
-        self._empty_like = torch.empty_like
-        # expanded views of one element: ``empty_like`` of these is torch's cheapest allocation of the shape
-        self.out_template = one.expand(out_shape)
-        self.lse_template = one.float().expand(lse_shape) if lse_shape is not None else None
-        self._part_size = int(np.prod(part_shape)) if part_shape is not None else 0
-        self._workspace = (one.float().expand(self._part_size + self._part_size // part_shape[-1])
-                           if part_shape is not None else None)
+    def torch_runner(self, launch=None):
+        """``run(out, *inputs)`` on torch tensors' data pointers: allocate the outputs (``out`` used when
+        given), queue ``launch`` (``self.launch`` by default) on torch's current stream of the plan's GPU
+        with that stream's split workspace, and return ``out`` or ``(out, lse)``. Everything a call looks
+        up is bound here, once: this is the host path of a decode loop."""
+        import torch
 
-    def allocate(self, out=None):
-        """``(out, lse or None, workspace or None, partials pointer, their LSEs pointer)`` (0s without a
-        workspace); a given ``out`` is used as it is."""
-        empty_like = self._empty_like
+        device = self.device
+        one = torch.empty(1, dtype=getattr(torch, self.dtype), device=torch.device("cuda", device))
+        # stride-0 views of one element: torch.empty_like of these is torch's cheapest allocation of the shape
+        out_template = one.expand(self.out_shape)
+        lse_template = None if self.lse_shape is None else one.float().expand(self.lse_shape)
+        launch = launch or self.launch
+        get_device, current_stream = torch_current()
+        single_device, empty_like = torch.cuda.device_count() == 1, torch.empty_like
+        layout = self.workspace
+        workspace = None if layout is None else SplitWorkspaces.getter(torch, device, layout.counter_words, layout.words)
+        part_lse_offset = 0 if layout is None else layout.part_lse_offset
+
+        def run(out, *inputs):
+            if not single_device and get_device() != device:
+                with torch.cuda.device(device):
+                    return run(out, *inputs)
+            if out is None:
+                out = empty_like(out_template)
+            lse = None if lse_template is None else empty_like(lse_template)
+            stream = current_stream(device)
+            if workspace is None:
+                launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr())
+            else:
+                counters, part, _held = workspace(stream)  # held until the launch is queued
+                launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr(), part,
+                       part + part_lse_offset, counters)
+            return out if lse is None else (out, lse)
+
+        return run
+
+    def run_device_arrays(self, inputs, out=None):
+        """Run on device arrays other than torch's (numba, CuPy, any ``__cuda_array_interface__``; None for an
+        absent input), on the stream the first one names: the outputs and the split workspace are allocated
+        like it, the workspace's counters zeroed on that stream. Returns ``out`` or ``(out, lse)``."""
+        like = inputs[0]
         if out is None:
-            out = empty_like(self.out_template)
-        lse = empty_like(self.lse_template) if self.lse_template is not None else None
-        if self._workspace is None:
-            return out, lse, None, 0, 0
-        workspace = empty_like(self._workspace)
-        part = workspace.data_ptr()
-        return out, lse, workspace, part, part + 4 * self._part_size
+            out = empty_device_like(like, self.out_shape, self.dtype, self.device)
+        lse = None if self.lse_shape is None else empty_device_like(like, self.lse_shape, "float32", self.device)
+        stream = cai_stream(like)
+        pointers = [*map(array_pointer, inputs), array_pointer(out), array_pointer(lse)]
+        if self.workspace is not None:
+            workspace = empty_device_like(like, (self.workspace.words,), "float32", self.device)
+            counters = device_pointer(workspace)
+            if self.workspace.counter_words:
+                zero_words(counters, self.workspace.counter_words, stream)
+            pointers += [*self.workspace.partials(counters), counters]
+        self.launch(stream, *pointers)
+        return out if lse is None else (out, lse)
+
+
+def on_device(run, host_arrays):
+    """Host arrays through the current GPU: ``run(*device_arrays)`` on contiguous numba copies of
+    ``host_arrays`` (numpy arrays; None passes through), its result (a device array or a tuple of them)
+    copied back to numpy arrays."""
+    arrays = [None if x is None else cuda.to_device(np.ascontiguousarray(x)) for x in host_arrays]
+    result = run(*arrays)
+    if isinstance(result, tuple):
+        return tuple(x.copy_to_host() for x in result)
+    return result.copy_to_host()

@@ -12,6 +12,7 @@ import inspect
 
 import numpy as np
 
+from .._arrays import is_torch
 from .._cuda import SIMULATOR, simulate
 from ..ops import attention as attention_op
 from ..ops import decode as decode_op
@@ -134,7 +135,7 @@ def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, 
         raise TypeError("tune(mla_decode, ...) tunes the float16 and bfloat16 kernels; float32 runs the decode kernel")
 
     def make(config, splits):
-        plan = mla_op.planned(p, config, splits)
+        plan = mla_op.planned(p, config, splits, torch=all(is_torch(x) for x in arrays))
         return lambda: _first(plan(*arrays))
 
     return "mla_decode", p, mla_op.tuning_options(p), make

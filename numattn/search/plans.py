@@ -27,7 +27,6 @@ from .._arrays import (
     numba_storage_view,
     rounded_storage,
     storage_dtype,
-    torch_current,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
@@ -177,16 +176,10 @@ class Runner:
 
         device = arrays[qp].device
         out_template = torch.empty(1, dtype=arrays[qp].dtype, device=device).expand(out_dims)
-        empty_like, launch = torch.empty_like, attention.launch_pointers
-        current, index = torch_current()[0], device.index
+        empty_like, run_attention = torch.empty_like, attention.run
 
         def run(arrays, pointers):
-            if current() != index:  # another GPU is current: the general path switches to ours
-                q4, k4, v4 = views(arrays)
-                return [attention(q4, k4, v4, None).view(out_dims)]
-            out = empty_like(out_template)
-            launch(pointers[qp], pointers[kp], pointers[vp], out.data_ptr(), 0)
-            return [out]
+            return [run_attention(empty_like(out_template), pointers[qp], pointers[kp], pointers[vp])]
 
         return run
 
