@@ -12,7 +12,7 @@ change nothing shows ratios within noise (about ±2%).
 
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not), decode (B64 Hq32 Hkv8
 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (B768 H64 L2048, rank 512,
-rope 64, pages of one row), forward + backward (B4 H32 L4096 D128 bf16, causal), each with its
+rope 64, pages of one row), forward + backward (B4 H32 L4096 D128 and D96 bf16, causal), each with its
 default arguments. Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``:
 rounds of 50 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
 """
@@ -80,16 +80,17 @@ def cases(torch, packages):
            torch.full((batch,), seqlen, device="cuda", dtype=torch.int32))
     table["mla_decode B768 H64 L2048, pages of 1"] = per_package(lambda pkg: pkg.mla_decode(*mla, scale=0.1))
 
-    leaves = [rnd(4, 32, 4096, 128, dtype=torch.bfloat16, grad=True) for _ in range(3)]
-    do = rnd(4, 32, 4096, 128, dtype=torch.bfloat16)
+    for head_dim in (128, 96):  # the backward's wgmma kernel on sm_90, and its mma.sync kernel
+        leaves = [rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16, grad=True) for _ in range(3)]
+        do = rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16)
 
-    def training_step(pkg):
-        for x in leaves:
-            x.grad = None
-        importlib.import_module(f"{pkg.__name__}.torch").attention(*leaves, causal=True).backward(do)
-        return leaves[0].grad
+        def training_step(pkg, leaves=leaves, do=do):
+            for x in leaves:
+                x.grad = None
+            importlib.import_module(f"{pkg.__name__}.torch").attention(*leaves, causal=True).backward(do)
+            return leaves[0].grad
 
-    table["forward + backward B4 H32 L4096 D128 bf16 causal"] = per_package(training_step)
+        table[f"forward + backward B4 H32 L4096 D{head_dim} bf16 causal"] = per_package(training_step)
     return table
 
 

@@ -1,3 +1,3 @@
 """numattn's version, in one place: the package, its metadata and the tuning cache's keys read it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

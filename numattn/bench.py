@@ -172,16 +172,16 @@ def bench_configs(shape, dtype, causal, configs):
     device cannot compile or launch gives a row with its ``error``.
     """
     torch = _torch()
-    from numattn.ops.attention import _TorchPlan, _validate
+    from numattn.ops.attention import make_plan, validate
 
     batch, heads, seqlen, head_dim = shape
     q, k, v = (torch.randn(*shape, device="cuda", dtype=getattr(torch, dtype)) for _ in range(3))
-    problem = _validate(q, k, v, None, causal, None, "bhsd", False)
+    problem = validate(q, k, v, None, causal, None, "bhsd", False)
     flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, head_dim, causal)
     rows = []
     for config in configs:
         try:
-            plan = _TorchPlan(problem, config)
+            plan = make_plan(problem, config)
             ms = cuda_time_ms(lambda: plan(q, k, v, None))
         except Exception as exc:  # a configuration the device cannot hold
             rows.append({"config": config, "error": str(exc).splitlines()[0][:100]})
@@ -311,7 +311,7 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
     """
     torch = _torch()
     import numattn
-    from numattn.ops.mla import _TorchPlan, _validate
+    from numattn.ops.mla import planned, validate
 
     rows = []
     for batch, heads, seqlen in shapes:
@@ -327,11 +327,11 @@ def bench_mla(shapes=MLA_SHAPES, rank=512, rope=64, configs=None):
             try:
                 if config is None:
                     ms = cuda_time_ms(lambda: numattn.mla_decode(*args, scale=0.1, check=False))
-                    plan = _TorchPlan(_validate(*args, 0.1, False))
+                    plan = planned(validate(*args, 0.1, False))
                     config_name = f"default {plan.config}"
                 else:
                     config_name = str(config)
-                    plan = _TorchPlan(_validate(*args, 0.1, False), config)
+                    plan = planned(validate(*args, 0.1, False), config)
                     ms = cuda_time_ms(lambda: plan(*args))
                 # a persistent configuration runs its persistent grid only without splits
                 config_name += f", {plan.splits} split{'s' if plan.splits > 1 else ''}"

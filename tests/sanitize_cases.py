@@ -66,7 +66,7 @@ def run_mla_cases(rng):
             o = numattn.mla_decode(*args, scale=0.1)
         else:
             splits = 1 if name in ("persistent", "ordinary") else 2
-            o = module._TorchPlan(module._validate(*args, 0.1, False), configs[name], splits)(*args)
+            o = module._TorchPlan(module.validate(*args, 0.1, False), configs[name], splits)(*args)
         err = np.abs(o.double().cpu().numpy() - reference.mla_decode(*args, scale=0.1)).max()
         where = f"heads={h} rank={rank} rope={rope} page_size={page_size}"
         print(f"mla {dtype} {where} {name or 'default'}: max err {err:.2e}")
@@ -77,7 +77,7 @@ def run_split_cases(rng):
     """The ``mma.sync`` kernel over runs of keys merged by each query tile's last block, K stored as rows of keys or
     transposed (keys contiguous, the last run of 8 keys partial)."""
     from numattn.configs.attention import MmaConfig
-    from numattn.ops.attention import _make_plan, _validate
+    from numattn.ops.attention import make_plan, validate
 
     for causal in (False, True):
         for transposed in (False, True):
@@ -87,8 +87,8 @@ def run_split_cases(rng):
             k = k.transpose(2, 3)[:, :, :419] if transposed else k[:, :, :419]
             v = torch.from_numpy(rng.standard_normal((2, 2, 419, 64), dtype=np.float32)).to("cuda", torch.float16)
             for splits in (1, 3):
-                problem = _validate(q, k, v, None, causal, 0.125, "bhsd", True)
-                o, lse = _make_plan(problem, MmaConfig(64, 4, 1, True), splits)(q, k, v, None)
+                problem = validate(q, k, v, None, causal, 0.125, "bhsd", True)
+                o, lse = make_plan(problem, MmaConfig(64, 4, 1, True), splits)(q, k, v, None)
                 ref = reference.attention(q, k, v, causal=causal, scale=0.125)
                 err = np.abs(o.double().cpu().numpy() - ref).max()
                 print(f"mma causal={causal} transposed K={transposed} splits={splits}: max err {err:.2e}")

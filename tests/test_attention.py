@@ -202,12 +202,12 @@ def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
     and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""
     from numattn.configs import attention as configs
-    from numattn.ops.attention import _validate
+    from numattn.ops.attention import validate
 
     def kind(cc, head_dim, simulator):
         monkeypatch.setattr(configs, "SIMULATOR", simulator)
         half = np.ones((1, 2, 8, head_dim), np.float16)
-        problem = _validate(half, half, half, None, False, None, "bhsd", False)
+        problem = validate(half, half, half, None, False, None, "bhsd", False)
         return type(configs.default_config(problem, {"cc": cc, "max_shared": 227 * 1024})).__name__
 
     assert kind((9, 0), 128, False) == "WgmmaConfig"
@@ -220,10 +220,10 @@ def test_default_kernel_per_device(monkeypatch):
 
 def test_kernel_choice():
     """fp16/bf16 with head dims in multiples of 16 and rows fit for 16-byte copies take the tensor-core kernel."""
-    from numattn.ops.attention import _attention_kernel, _validate
+    from numattn.ops.attention import _attention_kernel, validate
 
     def family(q, k, v):
-        problem = _validate(q, k, v, None, False, None, "bhsd", False)
+        problem = validate(q, k, v, None, False, None, "bhsd", False)
         return _attention_kernel(problem, 0)[0].py_func.__module__.rsplit(".", 1)[-1]
 
     half = np.ones((1, 2, 8, 64), np.float16)

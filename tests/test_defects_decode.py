@@ -153,8 +153,8 @@ def test_attention_nan_key_gives_nan_rows(rng, dtype, config, splits):
     are not; with two splits the NaN reaches the rows of the second query tile through the merge."""
     q, k, v = as_dtype([rng.standard_normal((1, 2, 32, 16), dtype=np.float32) for _ in range(3)], dtype)
     k[0, 0, 5, 3] = np.nan
-    p = attention_module._validate(q, k, v, None, True, 0.25, "bhsd", True)
-    o, lse = attention_module._make_plan(p, config, splits)(q, k, v, None)
+    p = attention_module.validate(q, k, v, None, True, 0.25, "bhsd", True)
+    o, lse = attention_module.make_plan(p, config, splits)(q, k, v, None)
     ref_o, ref_lse = reference.attention(q, k, v, causal=True, scale=0.25, return_lse=True)
     nan_rows = np.zeros((1, 2, 32), bool)
     nan_rows[0, 0, 5:] = True
@@ -206,7 +206,7 @@ def test_mla_nan_latent_row_gives_nan_heads(rng, splits, rank, config, dtype):
         import torch
 
         args = [torch.as_tensor(x).cuda() for x in args]
-    p = mla_module._validate(*args, 0.1, True)
+    p = mla_module.validate(*args, 0.1, True)
     o, lse = mla_module.planned(p, config, splits)(*args)
     ref_o, ref_lse = reference.mla_decode(*args, scale=0.1, return_lse=True)
     nan_rows = np.zeros((2, 3), bool)

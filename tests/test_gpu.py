@@ -75,7 +75,7 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
     by each query tile's last block; 150 query rows end mid-tile, 419 keys mid-run; the output is
     poisoned first."""
     from numattn.configs.attention import MmaConfig
-    from numattn.ops.attention import _attention_kernel, _make_plan, _validate
+    from numattn.ops.attention import _attention_kernel, make_plan, validate
 
     q = torch.from_numpy(rng.standard_normal((2, 4, 150, 64), dtype=np.float32)).to("cuda", torch.float16)
     shape = (2, 2, 64, 424) if transposed else (2, 2, 420, 64)
@@ -92,11 +92,11 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
             with monkeypatch.context() as patch:
                 rule = functools.partial(_clusters_if, clusters and sm90, attention_module.cluster_merges)
                 patch.setattr(attention_module, "cluster_merges", rule)
-                problem = _validate(q, k, v, None, causal, 0.125, "bhsd", True)
+                problem = validate(q, k, v, None, causal, 0.125, "bhsd", True)
                 clustered = _attention_kernel(problem, 0, config, splits).cluster is not None
                 assert clustered == (clusters and sm90 and 2 <= splits <= 8)
                 out = torch.full((2, 4, 150, 64), float("nan"), dtype=torch.float16, device="cuda")
-                o, lse = _make_plan(problem, config, splits)(q, k, v, out)
+                o, lse = make_plan(problem, config, splits)(q, k, v, out)
             assert max_error(o, ref_o) <= ATOL["float16"], (config, splits, clusters)
             finite = np.isfinite(ref_lse)
             assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)

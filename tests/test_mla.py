@@ -42,7 +42,7 @@ def _assert_lse_matches(lse, ref_lse, tol):
 
 def _run_plan(args, config, splits, scale, return_lse):
     """mla_decode through an explicit configuration and split count (the host plan)."""
-    p = module._validate(*args, scale, return_lse)
+    p = module.validate(*args, scale, return_lse)
     plan = module._HostPlan(p, config, splits) if p.device is None else module._TorchPlan(p, config, splits)
     return plan(*args)
 
@@ -80,7 +80,7 @@ def test_mla_persistent_kernel_takes_items_in_turn(rng, blocks, heads, page_size
     pages = 200 // page_size
     args = _inputs(rng, 6, heads, 128, rope, page_size, pages, "bfloat16")
     args[5][:] = (0, args[5][1], 0, pages * page_size, 7, 0)  # 7: one tile, part of it
-    p = module._validate(*args, 0.11, True)
+    p = module.validate(*args, 0.11, True)
     plan = module._HostPlan(p, MlaConfig(block_n, 2, 8, "shared", True, True), 1)
     assert plan.persistent
     plan.grid = (blocks,)
@@ -97,9 +97,9 @@ def test_mla_persistent_grid_and_fallback():
     config = MlaConfig(32, 2, 8, "shared", True, True)
     for batch, expected in ((1, (1,)), (3, (2,))):  # the simulator's one SM holds 2 blocks
         args = _inputs(np.random.default_rng(1), batch, 32, 128, 16, 4, 4, "float16")
-        assert module._HostPlan(module._validate(*args, 0.1, False), config, 1).grid == expected
+        assert module._HostPlan(module.validate(*args, 0.1, False), config, 1).grid == expected
     args = _inputs(np.random.default_rng(1), 3, 33, 128, 16, 4, 4, "float16")
-    p = module._validate(*args, 0.1, False)
+    p = module.validate(*args, 0.1, False)
     unsplit = module._HostPlan(p, config, 1)
     assert unsplit.grid == (1, 1, 3) and not unsplit.persistent
     assert module._HostPlan(p, config, 3).grid == (3, 1, 3)
@@ -114,7 +114,7 @@ def test_mla_default_tile_follows_the_key_splits():
         assert mla_default_config(rank, rope, (9, 0)).block_n == (64 if wide else 32)
         assert mla_default_config(rank, rope, (9, 0), split=True).block_n == 32
     args = _inputs(np.random.default_rng(1), 3, 16, 256, 64, 4, 4, "float16")
-    p = module._validate(*args, 0.1, False)
+    p = module.validate(*args, 0.1, False)
     assert module._HostPlan(p).config == MlaConfig(64, 4, 8, "shared", True, True)
     assert module._HostPlan(p, splits=2).config == MlaConfig(32, 4, 8, "shared", True, True)
 
@@ -228,7 +228,7 @@ def test_mla_persistent_kernel_on_gpu(rng):
     for page_size in (16, 1):
         args = _inputs(rng, 600, 32, 512, 64, page_size, 160 // page_size, "bfloat16", library="torch", device="cuda")
         args[5][7::41] = 0
-        p = module._validate(*args, 0.07, True)
+        p = module.validate(*args, 0.07, True)
         plan = module._TorchPlan(p, MlaConfig(32, 4, 8, "shared", True, True), 1)
         assert plan.persistent and len(plan.grid) == 1 and plan.grid[0] < 600
         ref_o, ref_lse = reference.mla_decode(*args, scale=0.07, return_lse=True)
@@ -238,7 +238,7 @@ def test_mla_persistent_kernel_on_gpu(rng):
             _assert_lse_matches(lse, ref_lse, 1e-3)
     # with 16 heads the public call's default runs the persistent grid
     args = _inputs(rng, 300, 16, 512, 64, 1, 160, "float16", library="torch", device="cuda")
-    plan = module._TorchPlan(module._validate(*args, 0.07, False))
+    plan = module._TorchPlan(module.validate(*args, 0.07, False))
     assert plan.config.persistent and len(plan.grid) == 1
     assert (max_error(numattn.mla_decode(*args, scale=0.07), reference.mla_decode(*args, scale=0.07), "float16")
             <= ATOL["float16"])
@@ -263,15 +263,15 @@ def test_mla_decode_on_every_kind_of_array(rng, splits):
     from numba import cuda
 
     args = _inputs(rng, 6, 32, 512, 64, 16, 20, "float16", library="torch", device="cuda")
-    p = module._validate(*args, 0.07, True)
+    p = module.validate(*args, 0.07, True)
     want_o, want_lse = module._TorchPlan(p, None, splits)(*args)
     device_arrays = [cuda.to_device(x.cpu().numpy()) for x in args]
-    o, lse = module._DevicePlan(module._validate(*device_arrays, 0.07, True), None, splits)(*device_arrays)
+    o, lse = module._DevicePlan(module.validate(*device_arrays, 0.07, True), None, splits)(*device_arrays)
     bits = want_o.cpu().numpy().view(np.uint16)
     assert np.array_equal(o.copy_to_host().view(np.uint16), bits)
     assert np.array_equal(lse.copy_to_host(), want_lse.cpu().numpy())
     host = [x.cpu().numpy() for x in args]
-    o, lse = module._HostPlan(module._validate(*host, 0.07, True), None, splits)(*host)
+    o, lse = module._HostPlan(module.validate(*host, 0.07, True), None, splits)(*host)
     assert np.array_equal(o.view(np.uint16), bits) and np.array_equal(lse, want_lse.cpu().numpy())
     if splits is None:  # the public call takes device arrays of other libraries too
         assert np.array_equal(numattn.mla_decode(*device_arrays, scale=0.07).copy_to_host().view(np.uint16), bits)

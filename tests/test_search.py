@@ -190,7 +190,7 @@ def test_key_split_attention_plans_match_reference(rng, causal, transposed):
     """The mma.sync kernel over runs of keys, merged by the combine kernel (a search candidate), with K
     stored as rows of keys or transposed (keys contiguous, read by runs of 8 keys: 75 keys end mid-run)."""
     from numattn.configs.attention import MmaConfig
-    from numattn.ops.attention import _make_plan, _validate
+    from numattn.ops.attention import make_plan, validate
 
     q = rng.uniform(-1, 1, (1, 2, 20, 32)).astype(np.float16)
     if transposed:
@@ -200,9 +200,9 @@ def test_key_split_attention_plans_match_reference(rng, causal, transposed):
     v = rng.uniform(-1, 1, (1, 1, 75, 16)).astype(np.float16)
     config = MmaConfig(block_n=16, num_warps=1)
     for splits in (1, 3):  # 5 key tiles: one run; runs of 2, 2 and 1 tiles
-        problem = _validate(q, k, v, None, causal, 0.3, "bhsd", True)
+        problem = validate(q, k, v, None, causal, 0.3, "bhsd", True)
         assert problem.transposed_k_loads == transposed
-        o, lse = _make_plan(problem, config, splits)(q, k, v, None)
+        o, lse = make_plan(problem, config, splits)(q, k, v, None)
         ref_o, ref_lse = mi.reference.attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
         np.testing.assert_allclose(o.astype(np.float64), ref_o, atol=2e-3)
         finite = np.isfinite(ref_lse)
@@ -220,7 +220,7 @@ def test_tune_stores_a_configuration_that_attention_then_uses(tmp_path, monkeypa
     v = rng.uniform(-1, 1, (1, 1, 70, 32)).astype(np.float16)
     table = mi.tune(q, k, v, causal=True, scale=0.2)
     assert any(row["verified"] for row in table)
-    problem = attention_module._validate(q, k, v, None, True, 0.2, "bhsd", False)
+    problem = attention_module.validate(q, k, v, None, True, 0.2, "bhsd", False)
     stored = cache.load(str(tmp_path / "superoptimize.json"), problem_key("attention", problem))
     fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
     assert (repr(stored["config"]), stored["splits"]) == (fastest["config"], fastest["splits"])
@@ -288,7 +288,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
     v = rng.uniform(-1, 1, (1, 2, 128, 16)).astype(np.float16)
     table = mi.tune(mi.decode, q, k, v, scale=0.3)
     assert {row["splits"] for row in table} == {1, 2, 4}  # 128 keys: runs of at least 32 and all(row["verified"] for row in table)
-    problem = decode_module._validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
+    problem = decode_module.validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
     fastest = min(table, key=lambda row: row["seconds"])
     assert tuned_config("decode", problem, decode_module.tuning_options) == (None, fastest["splits"])
     np.testing.assert_allclose(mi.decode(q, k, v, scale=0.3).astype(np.float64),
@@ -301,7 +301,7 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
     args = (q_nope, q_pe, ckv, kpe, pages, lengths)
     table = mi.tune(mi.mla_decode, *args, scale=0.2)
     assert any(row["verified"] for row in table)
-    problem = mla_module._validate(*args, 0.2, False)
+    problem = mla_module.validate(*args, 0.2, False)
     fastest = min((row for row in table if row["verified"]), key=lambda row: row["seconds"])
     config, splits = tuned_config("mla_decode", problem, mla_module.tuning_options)
     assert (repr(config), splits) == (fastest["config"], fastest["splits"])
@@ -346,7 +346,7 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch, fresh_plans):
     table = mi.tune(mi.decode, q, k, v, profile_iters=20)
     assert len(table) >= 3 and all(row["verified"] and row["seconds"] > 0 for row in table)
     fastest = min(table, key=lambda row: row["seconds"])
-    problem = decode_module._validate_decode_args(q, k, v, None, None, None, "bhsd", False)
+    problem = decode_module.validate_decode_args(q, k, v, None, None, None, "bhsd", False)
     assert tuned_config("decode", problem, decode_module.tuning_options) == (None, fastest["splits"])
     fresh_plans.clear()
     o = mi.decode(q, k, v)
@@ -365,7 +365,7 @@ def test_tune_decode_and_mla_decode_on_gpu(tmp_path, monkeypatch, fresh_plans):
     verified = [row for row in table if row["verified"]]
     assert len(verified) >= 2 and all(row["seconds"] > 0 for row in verified)
     fastest = min(verified, key=lambda row: row["seconds"])
-    config, splits = tuned_config("mla_decode", mla_module._validate(*args, 0.1, False), mla_module.tuning_options)
+    config, splits = tuned_config("mla_decode", mla_module.validate(*args, 0.1, False), mla_module.tuning_options)
     assert (repr(config), splits) == (fastest["config"], fastest["splits"])
     fresh_plans.clear()
     o = mi.mla_decode(*args, scale=0.1)
@@ -380,11 +380,11 @@ def test_configurations_that_would_spill_are_pruned_before_compiling():
     a configuration that spills nor one beyond the shared memory of sm_80, sm_86 or sm_90."""
     from numattn.configs.attention import MmaConfig, WgmmaConfig, choose_mma_config, choose_wgmma_config, misfit
     from numattn.kernels.launch import device_limits
-    from numattn.ops.attention import _validate
+    from numattn.ops.attention import validate
 
     def problem(head_dim):
         x = np.ones((1, 1, 16, head_dim), np.float16)
-        return _validate(x, x, x, None, False, None, "bhsd", False)
+        return validate(x, x, x, None, False, None, "bhsd", False)
 
     limits = device_limits(0)
     no_spill = [(MmaConfig(32, 4, 2, False), 128), (MmaConfig(64, 4, 1, False), 256), (MmaConfig(64, 4, 2, True), 64),

@@ -171,11 +171,11 @@ def test_superoptimize_searches_again_past_an_invalid_entry(tmp_path):
                                             (simt(), 2)])  # the SIMT kernel takes no key splits
 def test_attention_falls_back_to_its_heuristic_past_an_invalid_entry(tmp_path, monkeypatch, rng, fresh_plans,
                                                                       config, splits):
-    from numattn.ops.attention import _validate
+    from numattn.ops.attention import validate
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q, k, v = attention_inputs(rng)
-    problem = _validate(q, k, v, None, False, None, "bhsd", False)
+    problem = validate(q, k, v, None, False, None, "bhsd", False)
     write_entry(tmp_path / cache.FILE_NAME, problem_key("attention", problem), config, splits=splits)
     with pytest.warns(cache.CacheWarning, match=f"numattn tuning cache entry in {tmp_path}"):
         o = mi.attention(q, k, v)
@@ -184,12 +184,12 @@ def test_attention_falls_back_to_its_heuristic_past_an_invalid_entry(tmp_path, m
 
 @pytest.mark.parametrize("splits", [-3, 0, 999, 64])  # 64: in range, but more splits than tune tries for 32 keys
 def test_decode_falls_back_to_its_heuristic_past_an_invalid_entry(tmp_path, monkeypatch, rng, fresh_plans, splits):
-    from numattn.ops.decode import _validate_decode_args
+    from numattn.ops.decode import validate_decode_args
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q = rng.uniform(-1, 1, (1, 4, 1, 16)).astype(np.float32)
     k, v = (rng.uniform(-1, 1, (1, 2, 32, 16)).astype(np.float32) for _ in range(2))
-    problem = _validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
+    problem = validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
     write_entry(tmp_path / cache.FILE_NAME, problem_key("decode", problem), splits=splits)
     with pytest.warns(cache.CacheWarning, match=f"numattn tuning cache entry in {tmp_path}"):
         o = mi.decode(q, k, v, scale=0.3)
@@ -198,13 +198,13 @@ def test_decode_falls_back_to_its_heuristic_past_an_invalid_entry(tmp_path, monk
 
 def test_mla_decode_falls_back_to_its_default_past_a_configuration_that_does_not_fit(tmp_path, monkeypatch, rng,
                                                                                    fresh_plans):
-    from numattn.ops.mla import _validate, tuning_options
+    from numattn.ops.mla import tuning_options, validate
 
     monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
     q_nope, q_pe, ckv, kpe = (rng.uniform(-1, 1, shape).astype(np.float16)
                               for shape in [(1, 16, 64), (1, 16, 16), (2, 8, 64), (2, 8, 16)])
     args = (q_nope, q_pe, ckv, kpe, np.array([[0, 1]], np.int32), np.array([13], np.int32))
-    problem = _validate(*args, 0.2, False)
+    problem = validate(*args, 0.2, False)
     three_warps = {"type": "MlaConfig", "fields": {"block_n": 16, "stages": 2, "warps": 3, "qk": "duplicated",
                                                    "wgmma": False, "persistent": False}}  # 64 columns: not in 3 warps
     write_entry(tmp_path / cache.FILE_NAME, problem_key("mla_decode", problem), three_warps)
@@ -216,11 +216,11 @@ def test_mla_decode_falls_back_to_its_default_past_a_configuration_that_does_not
 
 def test_entries_are_keyed_by_the_kernel_sources(monkeypatch, rng):
     """A configuration tuned for other kernels is not reused: the problem key digests the kernel sources."""
-    from numattn.ops.attention import _validate
+    from numattn.ops.attention import validate
     from numattn.tuning import store
 
     q = rng.uniform(-1, 1, (1, 2, 24, 32)).astype(np.float16)
-    problem = _validate(q, q, q, None, False, 0.2, "bhsd", False)
+    problem = validate(q, q, q, None, False, 0.2, "bhsd", False)
     before = problem_key("attention", problem)
     monkeypatch.setattr(store, "source_digest", lambda: "other kernels")
     assert problem_key("attention", problem) != before

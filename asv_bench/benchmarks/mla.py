@@ -30,12 +30,12 @@ class MlaDecode:
         self.call = lambda: numattn.mla_decode(*self.args, scale=0.1, check=False)
         if kernel != "default":
             from numattn.configs.mla import MlaConfig
-            from numattn.ops.mla import _TorchPlan, _validate
+            from numattn.ops.mla import planned, validate
 
             if torch.cuda.get_device_capability() != (9, 0):
                 raise NotImplementedError("the wgmma kernel needs sm_90")
             config = MlaConfig(32, 4, 8, "shared", True, persistent=kernel == "persistent")
-            plan = _TorchPlan(_validate(*self.args, 0.1, False), config)
+            plan = planned(validate(*self.args, 0.1, False), config)
             self.call = lambda: plan(*self.args)
         self.call()  # compile outside the timing
 

@@ -31,13 +31,12 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .fragments import ldmatrix_lane, load_a, load_a_trans, load_b, load_b_trans
 from .ptx import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
     ex2_approx,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -169,9 +168,9 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
         """``c[0] += X Yᵀ`` over ``steps`` k-steps: A fragments of the warp's 16 rows of ``keys_s`` (from
         ``key0``), B fragments of two n8 tiles of ``queries_s`` rows per ``ldmatrix``."""
         for ks in range(steps):
-            a0, a1, a2, a3 = ldmatrix_x4(keys_s, key0 + mrow + 8 * (mat % 2), 16 * ks + 8 * (mat // 2))
+            a0, a1, a2, a3 = load_a(keys_s, key0, 16 * ks, mat, mrow, False)
             for np2 in range(MTILES // 2):
-                b0, b1, b2, b3 = ldmatrix_x4(queries_s, 16 * np2 + mrow + 8 * (mat // 2), 16 * ks + 8 * (mat % 2))
+                b0, b1, b2, b3 = load_b(queries_s, 16 * np2, 16 * ks, mat, mrow, False)
                 mma_into(c, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
                 mma_into(c, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
@@ -204,7 +203,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
-        mat, mrow = lane // 8, lane % 8  # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
+        mat, mrow = ldmatrix_lane(lane)
         key0 = 16 * warp  # the warp's first key within the block
         dq_row0 = 16 * DQ_MTILES * (warp % ROW_WARPS)  # the warp's dQ rows and columns within a query tile
         dq_col0 = DQ_COLS * (warp // ROW_WARPS)
@@ -266,7 +265,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
             for kk in range(MSTEPS):
                 fragment(a, s, kk)
                 for np2 in range(DVTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(do_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                    b0, b1, b2, b3 = load_b_trans(do_s, 16 * kk, 16 * np2, mat, mrow, False)
                     mma_into(dv_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
                     mma_into(dv_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
                 fragment(a, dp, kk)
@@ -275,7 +274,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                 st_shared_b32(ds_s, key0 + g, 16 * kk + 8 + 2 * t, a[2])
                 st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 8 + 2 * t, a[3])
                 for np2 in range(DTILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(q_s, 16 * kk + mrow + 8 * (mat % 2), 16 * np2 + 8 * (mat // 2))
+                    b0, b1, b2, b3 = load_b_trans(q_s, 16 * kk, 16 * np2, mat, mrow, False)
                     mma_into(dk_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
                     mma_into(dk_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
             cuda.syncthreads()  # dSᵀ complete
@@ -287,10 +286,10 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
                         dq_acc[mt, n, e] = _ZERO
             for kk in range(NSTEPS):
                 for mt in range(DQ_MTILES):
-                    dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3] = ldmatrix_x4_trans(
-                        ds_s, 16 * kk + 8 * (mat // 2) + mrow, dq_row0 + 16 * mt + 8 * (mat % 2))
+                    dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3] = load_a_trans(ds_s, 16 * kk, dq_row0 + 16 * mt,
+                                                                                      mat, mrow)
                 for np2 in range(DQ_TILES // 2):
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(k_s, 16 * kk + mrow + 8 * (mat % 2), dq_col0 + 16 * np2 + 8 * (mat // 2))
+                    b0, b1, b2, b3 = load_b_trans(k_s, 16 * kk, dq_col0 + 16 * np2, mat, mrow, False)
                     for mt in range(DQ_MTILES):
                         mma_into(dq_acc, mt, 2 * np2, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3], b0, b1)
                         mma_into(dq_acc, mt, 2 * np2 + 1, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3],

@@ -130,7 +130,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         """A fragments of k-step ``ks`` for each of the warp's m16 tiles, into ``q_frag[:, slot]``."""
         for mt in range(WARP_M):
             q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3] = load_a(
-                q_s, warp_row0 + 16 * mt, 16 * ks, mat, mrow)
+                q_s, warp_row0 + 16 * mt, 16 * ks, mat, mrow, False)
 
     @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
@@ -204,9 +204,9 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                     load_q_fragments(q_frag, q_s, ks, 0, warp_row0, mat, mrow)
                 for np2 in range(NTILES // 2):
                     if K_T:  # k_s[d, n]: B fragments read transposed, like V's
-                        b0, b1, b2, b3 = load_b_trans(k_s, 16 * ks, 16 * np2, mat, mrow)
+                        b0, b1, b2, b3 = load_b_trans(k_s, 16 * ks, 16 * np2, mat, mrow, False)
                     else:
-                        b0, b1, b2, b3 = load_b(k_s, 16 * np2, 16 * ks, mat, mrow)
+                        b0, b1, b2, b3 = load_b(k_s, 16 * np2, 16 * ks, mat, mrow, False)
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = q_frag[mt, slot, 0], q_frag[mt, slot, 1], q_frag[mt, slot, 2], q_frag[mt, slot, 3]
                         mma_into(s, mt, 2 * np2, a0, a1, a2, a3, b0, b1)
@@ -227,7 +227,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                     p_frag[mt, 2] = pack(s[mt, n + 1, 0], s[mt, n + 1, 1])
                     p_frag[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
                 for dp in range(DTILES // 2):
-                    b0, b1, b2, b3 = load_b_trans(v_s, 16 * kk, 16 * dp, mat, mrow)
+                    b0, b1, b2, b3 = load_b_trans(v_s, 16 * kk, 16 * dp, mat, mrow, False)
                     for mt in range(WARP_M):
                         a0, a1, a2, a3 = p_frag[mt, 0], p_frag[mt, 1], p_frag[mt, 2], p_frag[mt, 3]
                         mma_into(acc, mt, 2 * dp, a0, a1, a2, a3, b0, b1)

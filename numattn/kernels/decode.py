@@ -35,6 +35,7 @@ from numba import float32, int32, uint16, uint32
 
 from .._cuda import cuda
 from .constants import LN2_F32
+from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
 from .online_softmax import softmax_steps
 from .ptx import (
     cp_async_4,
@@ -43,8 +44,6 @@ from .ptx import (
     cp_async_wait_group,
     ex2_approx,
     f32_from_bits,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
     load_16,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
@@ -447,10 +446,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     @cuda.jit(device=True, forceinline=True)
     def load_q_fragment(q_frag, slot, q_s, ks, mat, mrow):
         """The A fragment of k-step ``ks`` of the Q tile into ``q_frag[slot]``."""
-        row = mrow + 8 * (mat % 2)
-        q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3] = ldmatrix_x4(
-            q_s, row, tile_col(K_SWIZZLED, row, 16 * ks + 8 * (mat // 2))
-        )
+        q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3] = load_a(q_s, 0, 16 * ks, mat, mrow,
+                                                                                    K_SWIZZLED)
 
     @cuda.jit(device=True, forceinline=True)
     def scale_and_mask(s, scale_log2, masked, n0, end, last_visible, row0, g, t):
@@ -477,7 +474,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
         split, splits = cuda.blockIdx.x, cuda.gridDim.x
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
-        mat, mrow = lane // 8, lane % 8  # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
+        mat, mrow = ldmatrix_lane(lane)
         capacity = page_table.shape[1] * k.shape[2] if PAGED else k.shape[2]
         seqlen = min(max(seqlens[b], 0), capacity) if HAS_SEQLENS else capacity
         per_split = -(-seqlen // splits)
@@ -550,8 +547,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
                 slot = ks if Q_IN_REGISTERS else 0
                 if not Q_IN_REGISTERS:
                     load_q_fragment(q_frag, 0, q_s, ks, mat, mrow)
-                key = mrow + 8 * (mat // 2)
-                b0, b1, b2, b3 = ldmatrix_x4(k_s, key, tile_col(K_SWIZZLED, key, 16 * ks + 8 * (mat % 2)))
+                b0, b1, b2, b3 = load_b(k_s, 0, 16 * ks, mat, mrow, K_SWIZZLED)
                 a0, a1, a2, a3 = q_frag[slot, 0], q_frag[slot, 1], q_frag[slot, 2], q_frag[slot, 3]
                 s[0, 0, 0], s[0, 0, 1], s[0, 0, 2], s[0, 0, 3] = mma(a0, a1, a2, a3, b0, b1, s[0, 0, 0], s[0, 0, 1],
                                                                      s[0, 0, 2], s[0, 0, 3])
@@ -566,8 +562,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
             p0, p1 = pack(s[0, 0, 0], s[0, 0, 1]), pack(s[0, 0, 2], s[0, 0, 3])
             p2, p3 = pack(s[0, 1, 0], s[0, 1, 1]), pack(s[0, 1, 2], s[0, 1, 3])
             for dp in range(DTILES // 2):
-                key = mrow + 8 * (mat % 2)
-                b0, b1, b2, b3 = ldmatrix_x4_trans(v_s, key, tile_col(V_SWIZZLED, key, 16 * dp + 8 * (mat // 2)))
+                b0, b1, b2, b3 = load_b_trans(v_s, 0, 16 * dp, mat, mrow, V_SWIZZLED)
                 n = 2 * dp
                 acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3] = mma(
                     p0, p1, p2, p3, b0, b1, acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3])

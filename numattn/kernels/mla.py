@@ -29,6 +29,7 @@ from numba import float32, int32, uint16
 
 from .._cuda import cuda
 from .constants import LN2_F32
+from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
 from .mla_wgmma import (
     mla_wgmma_kernel,
     softmax_headroom,
@@ -38,8 +39,6 @@ from .ptx import (
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
-    ldmatrix_x4,
-    ldmatrix_x4_trans,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -124,7 +123,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
         tid = cuda.threadIdx.x
         warp, lane = tid // 32, tid % 32
         g, t = lane // 4, lane % 4
-        mat, mrow = lane // 8, lane % 8  # ldmatrix_x4: this lane addresses row mrow of 8×8 matrix mat
+        mat, mrow = ldmatrix_lane(lane)
         heads = q_nope.shape[1]
         seqlen = min(max(seqlens[b], 0), page_table.shape[1] * ckv.shape[1])
         per_split = -(-seqlen // splits)
@@ -172,11 +171,9 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
                     s[0, nt, e] = _ZERO
             first_ks, end_ks = (warp * KSTEPS // WARPS, (warp + 1) * KSTEPS // WARPS) if SHARDED else (0, KSTEPS)
             for ks in range(first_ks, end_ks):
-                row = mrow + 8 * (mat % 2)
-                a0, a1, a2, a3 = ldmatrix_x4(q_s, row, tile_col(SWIZZLED, row, 16 * ks + 8 * (mat // 2)))
+                a0, a1, a2, a3 = load_a(q_s, 0, 16 * ks, mat, mrow, SWIZZLED)
                 for np_ in range(NTILES // 2):  # one ldmatrix: the B fragments of two n8 tiles
-                    key = 16 * np_ + mrow + 8 * (mat // 2)
-                    b0, b1, b2, b3 = ldmatrix_x4(tile, key, tile_col(SWIZZLED, key, 16 * ks + 8 * (mat % 2)))
+                    b0, b1, b2, b3 = load_b(tile, 16 * np_, 16 * ks, mat, mrow, SWIZZLED)
                     n = 2 * np_
                     s[0, n, 0], s[0, n, 1], s[0, n, 2], s[0, n, 3] = mma(
                         a0, a1, a2, a3, b0, b1, s[0, n, 0], s[0, n, 1], s[0, n, 2], s[0, n, 3])
@@ -205,9 +202,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
                 p0, p1 = pack(s[0, 2 * kp, 0], s[0, 2 * kp, 1]), pack(s[0, 2 * kp, 2], s[0, 2 * kp, 3])
                 p2, p3 = pack(s[0, 2 * kp + 1, 0], s[0, 2 * kp + 1, 1]), pack(s[0, 2 * kp + 1, 2], s[0, 2 * kp + 1, 3])
                 for dp in range(DTILES // 2):
-                    key = 16 * kp + mrow + 8 * (mat % 2)
-                    col = warp * COLS + 16 * dp + 8 * (mat // 2)
-                    b0, b1, b2, b3 = ldmatrix_x4_trans(tile, key, tile_col(SWIZZLED, key, col))
+                    b0, b1, b2, b3 = load_b_trans(tile, 16 * kp, warp * COLS + 16 * dp, mat, mrow, SWIZZLED)
                     n = 2 * dp
                     acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3] = mma(
                         p0, p1, p2, p3, b0, b1, acc[0, n, 0], acc[0, n, 1], acc[0, n, 2], acc[0, n, 3])

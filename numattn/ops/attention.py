@@ -120,7 +120,10 @@ class Problem:
         )
 
 
-def _validate(q, k, v, out, causal, scale, layout, return_lse):
+def validate(q, k, v, out, causal, scale, layout, return_lse):
+    """The ``Problem`` of a call of ``attention`` with these arguments (``out`` None for none), or the
+    TypeError/ValueError that names the bad one: with ``make_plan``, the planning API of the op that
+    the searcher and the benchmarks use."""
     choice("layout", layout, tuple(_LAYOUT_AXES))
     for flag, value in (("causal", causal), ("return_lse", return_lse)):
         if not isinstance(value, (bool, np.bool_)):
@@ -441,7 +444,9 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
     )
 
 
-def _make_plan(problem, config=None, splits=1):
+def make_plan(problem, config=None, splits=1):
+    """The plan of ``problem`` (from ``validate``) for its kind of arrays, with tile configuration ``config``
+    (the heuristic's when None) and ``splits`` runs of keys: ``plan(q, k, v, out)`` runs it."""
     p = problem
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
         return _NoGpuPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
@@ -456,8 +461,8 @@ def planned(q, k, v, *, scale, config=None, splits=1):
     keys merged at the end (an ``MmaConfig`` when more than one); ``plan(q, k, v, None)`` runs it on
     arrays laid out like these."""
     q, k, v = (from_dlpack(x) for x in (q, k, v))
-    problem = _validate(q, k, v, None, False, scale, "bhsd", False)
-    return _make_plan(problem, config, splits), problem
+    problem = validate(q, k, v, None, False, scale, "bhsd", False)
+    return make_plan(problem, config, splits), problem
 
 
 def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
@@ -551,10 +556,10 @@ def _tuned_or_default_plan(problem):
     tuned = tuned_config("attention", problem, tuning_options)
     if tuned is not None:
         try:
-            return _make_plan(problem, *tuned)
+            return make_plan(problem, *tuned)
         except ValueError:  # an entry that no longer fits this problem's kernels: the heuristic
             pass
-    return _make_plan(problem)
+    return make_plan(problem)
 
 
 def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
@@ -574,7 +579,7 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
     plan = PLANS.get(key) if key is not None else None
     if plan is None:
         q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
-        plan = _tuned_or_default_plan(_validate(q, k, v, out, causal, scale, layout, return_lse))
+        plan = _tuned_or_default_plan(validate(q, k, v, out, causal, scale, layout, return_lse))
         if key is not None:
             PLANS.store(key, plan)
     return plan, q, k, v, out

@@ -494,7 +494,10 @@ def _tuned_splits(problem):
     return None if tuned is None else tuned[1]
 
 
-def _make_plan(p, splits=None):
+def make_plan(p, splits=None):
+    """The plan of problem ``p`` (from ``validate_decode_args`` or ``validate_paged_args``) for its kind of
+    arrays with ``splits`` key splits (the heuristic's when None): ``plan(q, k, v, page_table, seqlens,
+    out)`` runs it."""
     ops = [a.op for a in (p.q, p.k, p.v, p.page_table, p.seqlens) if a is not None]
     if p.device is None or SIMULATOR:  # the simulator's device arrays are numpy arrays underneath
         return _HostPlan(p.with_contiguous_out(), splits)  # computes into its own array, copied into an ``out``
@@ -537,7 +540,7 @@ def _run(kind, validate, arrays, options, check, out):
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
         out = from_dlpack(out) if out is not None else None
         problem = validate(*arrays, *options, out)
-        plan = _make_plan(problem, _tuned_splits(problem))
+        plan = make_plan(problem, _tuned_splits(problem))
         if key is not None:
             PLANS.store(key, plan)
     if check and arrays[4] is not None and not _capturing(plan.problem):  # the values checked are seqlens
@@ -601,11 +604,12 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = 
     >>> numattn.decode(q, k, v, seqlens=np.array([100, 37], np.int32)).shape
     (2, 8, 64)
     """
-    return _run("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens],
+    return _run("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens],
                 (scale, layout, return_lse), check, out)
 
 
-def _validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse, out=None):
+def validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse, out=None):
+    """The ``DecodeProblem`` of a ``decode`` call (``page_table`` None), or the error naming a bad argument."""
     return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out)
 
 
@@ -630,11 +634,12 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, page_table: Array, se
     --------
     numattn.csr_page_table : the page table of FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
     """
-    return _run("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
+    return _run("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
                 (scale, kv_layout, return_lse), check, out)
 
 
-def _validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
+def validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
+    """The ``DecodeProblem`` of a ``paged_decode`` call, or the error naming a bad argument."""
     return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out)
 
 
@@ -657,14 +662,14 @@ def decode_plan(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | No
     >>> step(rng.standard_normal((2, 8, 64), dtype=np.float32)).shape
     (2, 8, 64)
     """
-    return DecodePlan("decode", _validate_decode_args, [q, k_cache, v_cache, None, seqlens], (scale, layout, return_lse))
+    return DecodePlan("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens], (scale, layout, return_lse))
 
 
 def paged_decode_plan(q: Array, k_pages: Array, v_pages: Array, page_table: Array, seqlens: Array, *,
                       scale: float | None = None, kv_layout: str = "nhd", return_lse: bool = False) -> "DecodePlan":
     """``numattn.paged_decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these pages,
     page table and lengths, called with each step's new ``q`` (see ``decode_plan``)."""
-    return DecodePlan("paged", _validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
+    return DecodePlan("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
                       (scale, kv_layout, return_lse))
 
 
@@ -702,7 +707,7 @@ class DecodePlan:
     """
 
     def __init__(self, kind, validate, arrays, options):
-        self._kind, self._validate, self._options = kind, validate, options
+        self._kind, self.validate, self._options = kind, validate, options
         self._bound = tuple(arrays[1:])  # k, v, page table, seqlens
         self._table, self._lengths = arrays[3:]
         problem = validate(*(from_dlpack(x) if x is not None else None for x in arrays), *options, None)
@@ -710,7 +715,7 @@ class DecodePlan:
         q = arrays[0]
         self._torch = all(x is None or is_torch(x) for x in arrays)
         if self._torch:
-            self._plan = _make_plan(problem, _tuned_splits(problem))
+            self._plan = make_plan(problem, _tuned_splits(problem))
             # on the GPU the caches' pointers are fixed in the launch (CPU tensors: the simulator's plan)
             self._run = (self._plan.torch_runner(self._plan.bound_launch(*map(tensor_pointer, self._bound)))
                          if isinstance(self._plan, _TorchPlan) else None)
@@ -720,7 +725,7 @@ class DecodePlan:
 
     def __call__(self, q, *, out=None, check=True):
         if not self._torch:
-            return _run(self._kind, self._validate, [q, *self._bound], self._options, check, out)
+            return _run(self._kind, self.validate, [q, *self._bound], self._options, check, out)
         if check.__class__ is not bool and not isinstance(check, np.bool_):
             raise TypeError(f"check must be a bool, got {type(check).__name__}")
         signature, address = _tensor_signature(q)

@@ -74,7 +74,9 @@ def _aligned_rows(op, name):
                          "pass a contiguous array")
 
 
-def _validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, return_lse):
+def validate(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, scale, return_lse):
+    """The ``MlaProblem`` of an ``mla_decode`` call, or the error naming a bad argument; ``planned`` makes
+    its plan."""
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if scale is None:
@@ -352,7 +354,7 @@ def mla_decode(q_nope: Array, q_pe: Array, ckv_cache: Array, kpe_cache: Array, p
         key = ("mla_decode", *map(array_signature, arrays), type(scale), scale, bool(return_lse))
     plan = PLANS.get(key) if key is not None else None
     if plan is None:
-        p = _validate(*arrays, scale, return_lse)
+        p = validate(*arrays, scale, return_lse)
         if p.dtype == "float32":
             return _through_decode(arrays, p, check)
         plan = planned(p, *(_tuned(p) or (None, None)), torch=key is not None)

@@ -98,10 +98,10 @@ def _first(result):
 # -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call) ---
 def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False):
     q, k, v = (attention_op.from_dlpack(x) for x in (q, k, v))
-    p = attention_op._validate(q, k, v, None, causal, scale, layout, return_lse)
+    p = attention_op.validate(q, k, v, None, causal, scale, layout, return_lse)
 
     def make(config, splits):
-        plan = attention_op._make_plan(p, config, splits or 1)
+        plan = attention_op.make_plan(p, config, splits or 1)
         return lambda: _first(plan(q, k, v, None))
 
     return "attention", p, attention_op.tuning_options(p), make
@@ -112,7 +112,7 @@ def _decode_like(kind, arrays, options, validate):
     p = validate(*arrays, *options)
 
     def make(config, splits):
-        plan = decode_op._make_plan(p, splits)
+        plan = decode_op.make_plan(p, splits)
         return lambda: _first(plan(*arrays))
 
     return kind, p, decode_op.tuning_options(p), make
@@ -120,17 +120,17 @@ def _decode_like(kind, arrays, options, validate):
 
 def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
     return _decode_like("decode", (q, k_cache, v_cache, None, seqlens), (scale, layout, return_lse),
-                        decode_op._validate_decode_args)
+                        decode_op.validate_decode_args)
 
 
 def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
     return _decode_like("decode", (q, k_pages, v_pages, page_table, seqlens), (scale, kv_layout, return_lse),
-                        decode_op._validate_paged_args)
+                        decode_op.validate_paged_args)
 
 
 def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
     arrays = (q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens)
-    p = mla_op._validate(*arrays, scale, return_lse)
+    p = mla_op.validate(*arrays, scale, return_lse)
     if p.dtype == "float32":
         raise TypeError("tune(mla_decode, ...) tunes the float16 and bfloat16 kernels; float32 runs the decode kernel")
 

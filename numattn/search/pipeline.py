@@ -10,7 +10,7 @@ from .._cuda import SIMULATOR, simulate
 from .._version import __version__
 from ..configs.attention import split_options, tile_candidates
 from ..kernels.launch import device_limits
-from ..ops.attention import _validate
+from ..ops.attention import validate
 from ..tuning import cache
 from .match import find_attention
 from .plans import Plan, Runner, _as_bhsd, _swap_last, torch_signature
@@ -78,7 +78,7 @@ def candidates(graph, sample):
         k = views[1]
         if layout == "copy":
             k = k.contiguous() if hasattr(k, "contiguous") else np.ascontiguousarray(k)
-        problem = _validate(views[0], k, views[2], None, False, m.scale, "bhsd", False)
+        problem = validate(views[0], k, views[2], None, False, m.scale, "bhsd", False)
         misfits = []
         for config in tile_candidates(problem, misfits):  # key splits: runs of keys in parallel, for short grids
             plans += [Plan("fused", matches, config, layout, n) for n in split_options(problem, config)]
