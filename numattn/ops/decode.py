@@ -335,9 +335,10 @@ class _Plan:
 
 
 class _DevicePlan(_Plan, LaunchPlan):
-    """Launches on device arrays: prepared argument blocks, only pointers and the stream change per call."""
+    """Launches on device arrays: prepared argument blocks, only pointers and the stream change per call
+    (``checked_on_device``: lengths checked on the GPU, whose kernel compiles ahead in a worker)."""
 
-    def __init__(self, p, splits=None):
+    def __init__(self, p, splits=None, checked_on_device=True):
         super().__init__(p, splits)
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32, i32 = types.float32, types.int32
@@ -347,7 +348,7 @@ class _DevicePlan(_Plan, LaunchPlan):
             types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(i32, 2, "A"),
             f32,
         )
-        if p.seqlens is not None:  # the checked call's index check compiles in a worker process meanwhile
+        if checked_on_device and p.seqlens is not None:  # the check's kernel compiles in a worker meanwhile
             compile_ahead([index_check_spec(p.page_table is not None)], p.device)
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields(self.arrays())
@@ -409,6 +410,10 @@ class _HostPlan(_Plan):
     without a GPU the CPU path runs, or under ``numattn.simulate()`` the kernels in numba's simulator
     on numpy views."""
 
+    def __init__(self, p, splits=None):
+        super().__init__(p, splits)
+        self._device_plan = None  # made by the first call on a GPU machine
+
     def __call__(self, q, k, v, page_table, seqlens, out=None):
         result = self._compute(q, k, v, page_table, seqlens)
         if out is None:
@@ -464,17 +469,20 @@ class _HostPlan(_Plan):
         return lse
 
     def _on_device(self, q, views):
-        """The device plan of this problem on contiguous copies of ``views`` on the current GPU."""
+        """The device plan of this problem, made on the first call for the then current GPU, on contiguous
+        copies of ``views``."""
         p = self.problem
-        device = cuda.get_current_device().id
+        if self._device_plan is None:
+            device = cuda.get_current_device().id
 
-        def moved(a, x):
-            strides = contiguous_strides(x.shape)
-            return _Array(replace(a.op, kind="numba", device=device, ptr=0, strides=strides), x.shape, strides)
+            def moved(a, x):
+                strides = contiguous_strides(x.shape)
+                return _Array(replace(a.op, kind="numba", device=device, ptr=0, strides=strides), x.shape, strides)
 
-        names = ("q", "k", "v", "page_table", "seqlens")
-        fields = {name: moved(getattr(p, name), x) for name, x in zip(names, views, strict=True) if x is not None}
-        result = on_device(_DevicePlan(replace(p, device=device, **fields), self.splits), views)
+            names = ("q", "k", "v", "page_table", "seqlens")
+            fields = {name: moved(getattr(p, name), x) for name, x in zip(names, views, strict=True) if x is not None}
+            self._device_plan = _DevicePlan(replace(p, device=device, **fields), self.splits, checked_on_device=False)
+        result = on_device(self._device_plan, views)
         if p.return_lse:
             return wrap_host(result[0], q, p.dtype), wrap_host(result[1], q, "float32")
         return wrap_host(result, q, p.dtype)

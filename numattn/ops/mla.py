@@ -172,9 +172,9 @@ class _Plan:
 
 class _DevicePlan(_Plan, LaunchPlan):
     """Device arrays: prepared launches of the kernel (and, with splits, the combine), only pointers and the
-    stream change per call."""
+    stream change per call (``checked_on_device``: lengths and pages checked on the GPU)."""
 
-    def __init__(self, p, config=None, splits=None):
+    def __init__(self, p, config=None, splits=None, checked_on_device=True):
         super().__init__(p, config, splits)
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32, i32 = types.float32, types.int32
@@ -189,10 +189,10 @@ class _DevicePlan(_Plan, LaunchPlan):
                     types.Array(f32, 4, "A"), f32)
         combine_types = (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(storage, 4, "A"),
                          types.Array(f32, 3, "A"))
-        combine = KernelSpec(combine_kernel, self.combine_args, combine_types, f"combine {p.dtype} dv={p.rank}")
-        # the call's other kernels (the checked call's index check, the combine of splits) compile in a worker
-        # process while this one compiles here
-        compile_ahead([index_check_spec(True), *([combine] if self.split else [])], p.device)
+        combine_spec = KernelSpec(combine_kernel, self.combine_args, combine_types, f"combine {p.dtype} dv={p.rank}")
+        # the call's other kernels (the check's, the combine of splits) compile in a worker while this one does
+        compile_ahead([*([index_check_spec(True)] if checked_on_device else []),
+                       *([combine_spec] if self.split else [])], p.device)
         kernel = compiled(self.kernel, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields([*arrays, out, lse, part, part_lse])
         fields.append(np.float32(p.scale * LOG2E))
@@ -202,7 +202,7 @@ class _DevicePlan(_Plan, LaunchPlan):
         self.lse_shape = (p.batch, p.heads) if p.return_lse else None
         self.workspace = None
         if self.split:
-            combine = compiled(self.combine, combine.argtypes, p.device, 0, combine.label)
+            combine = compiled(self.combine, combine_spec.argtypes, p.device, 0, combine_spec.label)
             o4 = ((p.batch, p.heads, 1, p.rank), (p.heads * p.rank, p.rank, 0, 1), 2)
             lse3 = ((p.batch, p.heads, 1), (p.heads, 1, 0), 4) if p.return_lse else _unused(3)
             fields, slots = array_fields([part, part_lse, o4, lse3])
@@ -257,6 +257,10 @@ class _HostPlan(_Plan):
     without a GPU the CPU path runs, or under ``numattn.simulate()`` the kernels in numba's simulator on
     numpy arrays."""
 
+    def __init__(self, p, config=None, splits=None):
+        super().__init__(p, config, splits)
+        self._device_plan = None  # made by the first call on a GPU machine
+
     def __call__(self, q_nope, q_pe, ckv, kpe, page_table, seqlens):
         p = self.problem
         arrays = [np.ascontiguousarray(host_storage(x, describe(x, "x"))) for x in (q_nope, q_pe, ckv, kpe)]
@@ -272,11 +276,14 @@ class _HostPlan(_Plan):
         return (result, wrap_host(lse, q_nope, "float32")) if p.return_lse else result
 
     def _on_device(self, arrays):
-        """``(output storage, lse or None)`` of this plan's kernels on the current GPU."""
+        """``(output storage, lse or None)`` of this plan's kernels on contiguous copies of ``arrays``, on the
+        GPU current at the first call."""
         p = self.problem
-        shapes = tuple((a.shape, contiguous_strides(a.shape)) for a in arrays)
-        plan = _DevicePlan(replace(p, device=cuda.get_current_device().id, shapes=shapes), self.config, self.splits)
-        result = on_device(plan, arrays)
+        if self._device_plan is None:
+            shapes = tuple((a.shape, contiguous_strides(a.shape)) for a in arrays)
+            self._device_plan = _DevicePlan(replace(p, device=cuda.get_current_device().id, shapes=shapes),
+                                            self.config, self.splits, checked_on_device=False)
+        result = on_device(self._device_plan, arrays)
         return result if p.return_lse else (result, None)
 
     def _simulated(self, arrays):
