@@ -9,6 +9,8 @@ import torch
 
 import numattn
 from numattn import reference
+from numattn.configs.decode import MMA_SPLITTING
+from numattn.kernels.decode import MMA_ROWS
 from numattn.ops import decode as module
 
 from conftest import ATOL
@@ -38,7 +40,7 @@ def test_decode_splits_heuristic(shape, h100_splits, h200_splits):
     p = SimpleNamespace(batch=batch, capacity=capacity, heads_q=32, heads_kv=8, seqlen_q=1)
     for dram_gbs, expected in ((3352.3, h100_splits), (4814.3, h200_splits)):
         limits = {"sms": 132, "dram_gbs": dram_gbs}
-        assert module._splits(p, module.MMA_ROWS, *module.MMA_SPLITTING, limits) == (expected, 1)
+        assert module._splits(p, MMA_ROWS, *MMA_SPLITTING, limits) == (expected, 1)
 
 
 @pytest.mark.parametrize(

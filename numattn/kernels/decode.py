@@ -81,7 +81,6 @@ def decode_geometry(dtype, head_dim, head_dim_v, vector_loads):
     return chunk, lanes, per_lane, per_lane_v, rows
 
 
-MAX_MMA_HEAD_DIM = 256  # head dims of the tensor-core kernel; beyond, the CUDA-core kernel runs
 def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     """Device function ``finish(m_s, l_s, acc_s, o, lse, o_part, lse_part, counters, b, h_kv, row0)``.
 
@@ -335,21 +334,6 @@ MMA_KEYS = 16  # keys per warp tile
 # A paged cache: tiles between the copy of a tile's page indices and the copies of its keys. At
 # least the ring's tiles in flight plus one, so that the indices' commit group has completed.
 PAGE_INDICES_AHEAD = 2
-
-
-def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
-    """Whether the tensor-core decode kernel takes this dtype, these head dims (multiples of 16 up to
-    ``MAX_MMA_HEAD_DIM``) and this alignment."""
-    return (dtype in ("float16", "bfloat16") and head_dim % 16 == 0 and head_dim_v % 16 == 0
-            and max(head_dim, head_dim_v) <= MAX_MMA_HEAD_DIM and vector_loads)
-
-
-def decode_mma_shared_bytes(head_dim, head_dim_v, stages):
-    """Dynamic shared memory of ``decode_mma_kernel``: the Q tile and each warp's ring of K/V stages
-    (the warps' final states reuse it)."""
-    ring = WARPS * stages * MMA_KEYS * (tile_row_elems(head_dim) + tile_row_elems(head_dim_v))
-    merge = WARPS * MMA_ROWS * head_dim_v * 2  # float32 accumulators, counted in 16-bit elements
-    return 2 * max(MMA_ROWS * tile_row_elems(head_dim) + ring, merge)
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,20 +30,11 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
+from ..configs.decode import decode_config, decode_mma_shared_bytes
 from ..kernels import cpu
 from ..kernels.compile_ahead import compile_ahead
 from ..kernels.constants import LOG2E
-from ..kernels.decode import (
-    MMA_KEYS,
-    MMA_ROWS,
-    NUM_THREADS,
-    WARPS,
-    decode_geometry,
-    decode_kernel,
-    decode_mma_kernel,
-    decode_mma_shared_bytes,
-    decode_mma_supported,
-)
+from ..kernels.decode import NUM_THREADS, decode_kernel, decode_mma_kernel
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS
 from ..tuning.models import split_candidates, split_count
@@ -64,7 +55,7 @@ from .workspace import WorkspaceLayout, capturing_now
 _LAYOUTS = ("bhsd", "bshd")
 _KV_LAYOUTS = ("nhd", "hnd")
 # Head dims the decode takes: what the CUDA-core kernel holds (a row over 32 lanes, at most 32 floats
-# each); the tensor-core kernel takes up to 256 (``decode_mma_supported``).
+# each); the tensor-core kernel takes up to 256 (``configs.decode.decode_mma_supported``).
 MAX_DECODE_HEAD_DIM = 1024
 
 
@@ -233,8 +224,6 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
 # in 32 than in 16; on an H100, 4 splits were not faster on W2
 WIDE_GBS_PER_SM = 30
 LONG_SPLIT_KEYS = 4096
-# the tensor-core kernel's splitting: blocks per SM (its shared memory), fewest keys per split
-MMA_SPLITTING = (2, 4 * WARPS * MMA_KEYS)
 
 
 def _splits(p, rows, blocks_per_sm, min_keys, limits):
@@ -256,11 +245,6 @@ def _splits(p, rows, blocks_per_sm, min_keys, limits):
     return splits, row_chunks
 
 
-# ring depths of the tensor-core kernel, the first that fits the shared memory is used: two stages (one
-# tile in flight per warp) measured faster than three on W1, W2 and W3 once the merge's tail was short
-MMA_STAGES = (2,)
-
-
 class _Plan:
     """Kernels, grid and argument layout of one decode problem.
 
@@ -275,18 +259,9 @@ class _Plan:
         limits = device_limits(0 if p.device is None else p.device)
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
-        split_args = None
-        if decode_mma_supported(p.dtype, p.head_dim, p.head_dim_v, vector) and limits["cc"] >= (8, 0):
-            fitting = [n for n in MMA_STAGES if decode_mma_shared_bytes(p.head_dim, p.head_dim_v, n) <= limits["max_shared"]]
-            if fitting:
-                self.stages, rows = fitting[0], MMA_ROWS
-                split_args = MMA_SPLITTING
-        if split_args is None:
-            self.stages = None
-            *_, rows = decode_geometry(p.dtype, p.head_dim, p.head_dim_v, vector)
-            rows = min(rows, group * p.seqlen_q)
-            split_args = (16, 128)
-        auto_splits, row_chunks = _splits(p, rows, *split_args, limits)
+        self.stages, rows, splitting = decode_config(p.dtype, p.head_dim, p.head_dim_v, vector, group * p.seqlen_q,
+                                                     limits)
+        auto_splits, row_chunks = _splits(p, rows, *splitting, limits)
         self.splits = min(splits or auto_splits, MAX_SPLITS)
         self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages) if self.stages else 0
         self.split = self.splits > 1
