@@ -48,37 +48,44 @@ def import_base(base, into):
     return importlib.import_module(BASE_NAME)
 
 
+def random_tensor(torch, *shape, dtype=None, grad=False):
+    """A CUDA tensor of standard normal values (float16 unless ``dtype``)."""
+    return torch.randn(*shape, device="cuda", dtype=dtype or torch.float16, requires_grad=grad)
+
+
+def per_package(packages, call):
+    """``{package name: call(package)}`` as calls of no argument."""
+    return {pkg.__name__: (lambda pkg=pkg: call(pkg)) for pkg in packages}
+
+
 def cases(torch, packages):
     """``{case: {package name: call}}`` on fresh random inputs."""
     from numattn.bench import paged_copy
 
-    def rnd(*shape, dtype=torch.float16, grad=False):
-        return torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=grad)
-
-    def per_package(call):
-        return {pkg.__name__: (lambda pkg=pkg: call(pkg)) for pkg in packages}
+    def rnd(*shape, **options):
+        return random_tensor(torch, *shape, **options)
 
     table = {}
     for batch, heads, seqlen, head_dim, dtype in ((4, 32, 4096, 128, torch.bfloat16), (8, 16, 2048, 64, torch.float16)):
         q, k, v = (rnd(batch, heads, seqlen, head_dim, dtype=dtype) for _ in range(3))
         for causal in (False, True):
             name = f"prefill B{batch} H{heads} L{seqlen} D{head_dim} {str(dtype)[6:]}{' causal' if causal else ''}"
-            table[name] = per_package(lambda pkg, q=q, k=k, v=v, causal=causal: pkg.attention(q, k, v, causal=causal))
+            table[name] = per_package(packages, lambda pkg, q=q, k=k, v=v, causal=causal: pkg.attention(q, k, v, causal=causal))
 
     query = rnd(64, 32, 128)
     k_cache, v_cache = rnd(64, 8, 4096, 128), rnd(64, 8, 4096, 128)
     lengths = torch.full((64,), 4096, dtype=torch.int32, device="cuda")
     k_pages, v_pages, page_table = paged_copy(torch, k_cache, v_cache, 16)
-    table["decode B64 Hq32 Hkv8 L4096 D128 fp16"] = per_package(lambda pkg: pkg.decode(query, k_cache, v_cache))
-    table["decode, seqlens"] = per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths))
+    table["decode B64 Hq32 Hkv8 L4096 D128 fp16"] = per_package(packages, lambda pkg: pkg.decode(query, k_cache, v_cache))
+    table["decode, seqlens"] = per_package(packages, lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths))
     table["paged_decode, pages of 16"] = per_package(
-        lambda pkg: pkg.paged_decode(query, k_pages, v_pages, page_table, lengths))
+        packages, lambda pkg: pkg.paged_decode(query, k_pages, v_pages, page_table, lengths))
 
     batch, heads, seqlen, rank, rope = 768, 64, 2048, 512, 64
     mla = (rnd(batch, heads, rank), rnd(batch, heads, rope), rnd(batch * seqlen, 1, rank),
            rnd(batch * seqlen, 1, rope), torch.randperm(batch * seqlen, device="cuda").reshape(batch, seqlen).int(),
            torch.full((batch,), seqlen, device="cuda", dtype=torch.int32))
-    table["mla_decode B768 H64 L2048, pages of 1"] = per_package(lambda pkg: pkg.mla_decode(*mla, scale=0.1))
+    table["mla_decode B768 H64 L2048, pages of 1"] = per_package(packages, lambda pkg: pkg.mla_decode(*mla, scale=0.1))
 
     for head_dim in (128, 96):  # the backward's wgmma kernel on sm_90, and its mma.sync kernel
         leaves = [rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16, grad=True) for _ in range(3)]
@@ -90,18 +97,15 @@ def cases(torch, packages):
             importlib.import_module(f"{pkg.__name__}.torch").attention(*leaves, causal=True).backward(do)
             return leaves[0].grad
 
-        table[f"forward + backward B4 H32 L4096 D{head_dim} bf16 causal"] = per_package(training_step)
+        table[f"forward + backward B4 H32 L4096 D{head_dim} bf16 causal"] = per_package(packages, training_step)
     return table
 
 
 def host_cases(torch, packages):
     """``{case: {package name: call}}`` of tiny problems, whose time is the host's."""
 
-    def rnd(*shape, dtype=torch.float16):
-        return torch.randn(*shape, device="cuda", dtype=dtype)
-
-    def per_package(call):
-        return {pkg.__name__: (lambda pkg=pkg: call(pkg)) for pkg in packages}
+    def rnd(*shape):
+        return random_tensor(torch, *shape)
 
     q, k, v = (rnd(1, 1, 16, 64) for _ in range(3))
     query, k_cache, v_cache = rnd(1, 8, 128), rnd(1, 2, 256, 128), rnd(1, 2, 256, 128)
@@ -111,12 +115,12 @@ def host_cases(torch, packages):
            torch.arange(8192, device="cuda", dtype=torch.int32)[None], torch.full((1,), 8192, device="cuda",
                                                                                   dtype=torch.int32)]
     return {
-        "host: attention B1 H1 L16 D64": per_package(lambda pkg: pkg.attention(q, k, v)),
-        "host: attention, return_lse": per_package(lambda pkg: pkg.attention(q, k, v, return_lse=True)),
-        "host: decode B1 Hq8 Hkv2 L256 D128": per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, check=False)),
-        "host: decode, seqlens (checked)": per_package(lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths)),
+        "host: attention B1 H1 L16 D64": per_package(packages, lambda pkg: pkg.attention(q, k, v)),
+        "host: attention, return_lse": per_package(packages, lambda pkg: pkg.attention(q, k, v, return_lse=True)),
+        "host: decode B1 Hq8 Hkv2 L256 D128": per_package(packages, lambda pkg: pkg.decode(query, k_cache, v_cache, check=False)),
+        "host: decode, seqlens (checked)": per_package(packages, lambda pkg: pkg.decode(query, k_cache, v_cache, seqlens=lengths)),
         "host: decode_plan": {name: (lambda plan=plan: plan(query)) for name, plan in plans.items()},
-        "host: mla_decode B1 H16 L8192 (split)": per_package(lambda pkg: pkg.mla_decode(*mla, scale=0.1, check=False)),
+        "host: mla_decode B1 H16 L8192 (split)": per_package(packages, lambda pkg: pkg.mla_decode(*mla, scale=0.1, check=False)),
     }
 
 
