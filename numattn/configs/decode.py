@@ -19,11 +19,13 @@ SIMT_SPLITTING = (16, 128)
 
 class DecodeConfig(NamedTuple):
     """One decode problem's kernel: ``stages`` of the tensor-core kernel's ring (None: the CUDA-core
-    kernel), query ``rows`` per block, and ``splitting``, ``(blocks per SM, fewest keys per split)``."""
+    kernel), query ``rows`` per block, ``splitting``, ``(blocks per SM, fewest keys per split)``, and the
+    kernel's dynamic ``shared_bytes``."""
 
     stages: int | None
     rows: int
     splitting: tuple
+    shared_bytes: int
 
 
 def decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads):
@@ -48,7 +50,8 @@ def decode_config(dtype, head_dim, head_dim_v, vector_loads, query_rows, limits)
     sm_80+), else the CUDA-core kernel with the rows its registers hold."""
     if decode_mma_supported(dtype, head_dim, head_dim_v, vector_loads) and limits["cc"] >= (8, 0):
         for stages in MMA_STAGES:
-            if decode_mma_shared_bytes(head_dim, head_dim_v, stages) <= limits["max_shared"]:
-                return DecodeConfig(stages, MMA_ROWS, MMA_SPLITTING)
+            shared_bytes = decode_mma_shared_bytes(head_dim, head_dim_v, stages)
+            if shared_bytes <= limits["max_shared"]:
+                return DecodeConfig(stages, MMA_ROWS, MMA_SPLITTING, shared_bytes)
     *_, rows = decode_geometry(dtype, head_dim, head_dim_v, vector_loads)
-    return DecodeConfig(None, min(rows, query_rows), SIMT_SPLITTING)
+    return DecodeConfig(None, min(rows, query_rows), SIMT_SPLITTING, 0)

@@ -30,7 +30,7 @@ from .._arrays import (
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
-from ..configs.decode import decode_config, decode_mma_shared_bytes
+from ..configs.decode import decode_config
 from ..kernels import cpu
 from ..kernels.compile_ahead import compile_ahead
 from ..kernels.constants import LOG2E
@@ -259,11 +259,10 @@ class _Plan:
         limits = device_limits(0 if p.device is None else p.device)
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
-        self.stages, rows, splitting = decode_config(p.dtype, p.head_dim, p.head_dim_v, vector, group * p.seqlen_q,
-                                                     limits)
+        self.stages, rows, splitting, self.shared_bytes = decode_config(p.dtype, p.head_dim, p.head_dim_v, vector,
+                                                                        group * p.seqlen_q, limits)
         auto_splits, row_chunks = _splits(p, rows, *splitting, limits)
         self.splits = min(splits or auto_splits, MAX_SPLITS)
-        self.shared_bytes = decode_mma_shared_bytes(p.head_dim, p.head_dim_v, self.stages) if self.stages else 0
         self.split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
         flags = {"paged": p.page_table is not None, "has_seqlens": p.seqlens is not None, "split": self.split,
