@@ -1,6 +1,6 @@
 """numattn at a base revision against the working tree, in one process on one GPU.
 
-    python benchmarks/ab.py BASE [--json PATH]
+    python benchmarks/ab.py BASE [--json PATH] [--only TEXT]
 
 ``BASE`` is a git revision of this repository, or a directory holding the base's ``numattn`` package. The
 package is exported (``git archive``) or copied into a temporary directory and imported as
@@ -11,10 +11,11 @@ per round the median of CUDA-event timings with the L2 cache flushed. A restruct
 change nothing shows ratios within noise (about ±2%).
 
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not), decode (B64 Hq32 Hkv8
-L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (B768 H64 L2048, rank 512,
-rope 64, pages of one row), forward + backward (B4 H32 L4096 D128 and D96 bf16, causal), each with its
-default arguments. Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``:
-rounds of 50 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
+L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (rank 512, rope 64: B768 H64
+L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward (B4 H32 L4096 D128 and D96
+bf16, causal), each with its default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
+Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``: rounds of 50
+back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
 """
 
 import argparse
@@ -81,11 +82,14 @@ def cases(torch, packages):
     table["paged_decode, pages of 16"] = per_package(
         packages, lambda pkg: pkg.paged_decode(query, k_pages, v_pages, page_table, lengths))
 
-    batch, heads, seqlen, rank, rope = 768, 64, 2048, 512, 64
-    mla = (rnd(batch, heads, rank), rnd(batch, heads, rope), rnd(batch * seqlen, 1, rank),
-           rnd(batch * seqlen, 1, rope), torch.randperm(batch * seqlen, device="cuda").reshape(batch, seqlen).int(),
-           torch.full((batch,), seqlen, device="cuda", dtype=torch.int32))
-    table["mla_decode B768 H64 L2048, pages of 1"] = per_package(packages, lambda pkg: pkg.mla_decode(*mla, scale=0.1))
+    rank, rope = 512, 64
+    for batch, heads, seqlen, page_size in ((768, 64, 2048, 1), (768, 16, 1024, 64)):  # ordinary, persistent grid
+        pages = batch * seqlen // page_size
+        mla = (rnd(batch, heads, rank), rnd(batch, heads, rope), rnd(pages, page_size, rank),
+               rnd(pages, page_size, rope), torch.randperm(pages, device="cuda").reshape(batch, -1).int(),
+               torch.full((batch,), seqlen, device="cuda", dtype=torch.int32))
+        table[f"mla_decode B{batch} H{heads} L{seqlen}, pages of {page_size}"] = per_package(
+            packages, lambda pkg, mla=mla: pkg.mla_decode(*mla, scale=0.1))
 
     for head_dim in (128, 96):  # the backward's wgmma kernel on sm_90, and its mma.sync kernel
         leaves = [rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16, grad=True) for _ in range(3)]
@@ -124,11 +128,17 @@ def host_cases(torch, packages):
     }
 
 
+def selected(table, only):
+    """The cases of ``table`` whose names contain ``only``."""
+    return {case: calls for case, calls in table.items() if only in case}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="git revision (or directory holding the numattn package) to compare with")
     parser.add_argument("--json", help="write the rows and the run's facts to this file")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", default="", help="run only the cases whose names contain this text")
     args = parser.parse_args(argv)
 
     import torch
@@ -138,7 +148,7 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as into:
         base = import_base(args.base, into)
-        rows, table = [], cases(torch, (base, numattn))
+        rows, table = [], selected(cases(torch, (base, numattn)), args.only)
         for name, calls in table.items():
             first, outputs = {}, {}
             for pkg, call in calls.items():
@@ -160,7 +170,7 @@ def main(argv=None):
             row["ratio"] = row["new_us"] / row["base_us"]
             print(f"{row['case']:50} {row['base_us']:9.1f} {row['new_us']:9.1f} {row['ratio']:7.3f}"
                   f"   max |base - new| {row['max_abs_difference']:.3g}", flush=True)
-        host = host_cases(torch, (base, numattn))
+        host = selected(host_cases(torch, (base, numattn)), args.only)
         timed = host_overhead_us({(case, pkg): call for case, calls in host.items() for pkg, call in calls.items()})
         for case in host:
             row = {"case": case, "base_us": timed[case, BASE_NAME], "new_us": timed[case, "numattn"]}

@@ -29,6 +29,13 @@ from numattn.configs.attention import (
     choose_wgmma_config,  # noqa: E402
 )
 from numattn.configs.backward import choose_backward_config, choose_backward_wgmma_config  # noqa: E402
+from numattn.configs.decode import (  # noqa: E402
+    MMA_ROWS,
+    MMA_SPLITTING,
+    SIMT_SPLITTING,
+    DecodeConfig,
+    decode_mma_shared_bytes,
+)
 from numattn.configs.mla import mla_default_config  # noqa: E402
 from numattn.kernels.attention_backward_mma import backward_mma_kernel  # noqa: E402
 from numattn.kernels.attention_backward_wgmma import backward_wgmma_kernel  # noqa: E402
@@ -83,15 +90,19 @@ def variants():
                                      split=True, cluster_merge=True)
     yield "cluster-mma-attention", clustered, SPLIT_SIGNATURE
     # split launches whose last block merges and resets its ticket counter for the next launch
-    yield ("split-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, False, False, True, False, 3),
-           DECODE_SIGNATURE)
-    yield ("split-decode-simt", decode_kernel("float16", 128, 128, 4, 1, 16, False, True, True, False, True),
-           DECODE_SIGNATURE)
+    ring = {stages: DecodeConfig(stages, MMA_ROWS, MMA_SPLITTING, decode_mma_shared_bytes(128, 128, stages))
+            for stages in (2, 3)}
+    yield ("split-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, ring[3], paged=False, has_seqlens=False,
+                                                 split=True, write_lse=False), DECODE_SIGNATURE)
+    yield ("split-decode-simt", decode_kernel("float16", 128, 128, 4, 1, DecodeConfig(None, 16, SIMT_SPLITTING, 0),
+                                              paged=False, has_seqlens=True, split=True, write_lse=False,
+                                              vector_loads=True), DECODE_SIGNATURE)
     yield ("split-mma-attention",
            mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False, False, True),
            SPLIT_SIGNATURE)
     # a paged cache: page indices copied into shared memory tiles ahead of their keys
-    yield "paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, True, True, False, False, 2), DECODE_SIGNATURE
+    yield ("paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, ring[2], paged=True, has_seqlens=True,
+                                                 split=False, write_lse=False), DECODE_SIGNATURE)
 
 
 def training_and_mla_variants():

@@ -146,8 +146,10 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
 
 
 @functools.lru_cache(maxsize=None)
-def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has_seqlens, split, write_lse, vector_loads):
-    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2)``.
+def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged, has_seqlens, split, write_lse,
+                  vector_loads):
+    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2)``
+    taking ``config.rows`` query rows per block (``configs/decode.py: DecodeConfig``).
 
     q ``[B, Hq, Sq, D]``, o ``[B, Hq, Sq, Dv]`` (storage dtype: 16-bit floats as
     uint16), k ``[pages, Hkv, page_size, D]``, v alike with Dv, page_table
@@ -161,7 +163,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     ``t <= seqlen - Sq + i``. Grid ``(S, Hkv · cdiv(group · Sq, rows), B)``,
     ``NUM_THREADS`` threads.
     """
-    D, DV, G, SQ, ROWS = head_dim, head_dim_v, group, seqlen_q, rows
+    D, DV, G, SQ, ROWS = head_dim, head_dim_v, group, seqlen_q, config.rows
     PAGED, HAS_SEQLENS = paged, has_seqlens
     CHUNK, LANES, CPL, CPLV, _ = decode_geometry(dtype, head_dim, head_dim_v, vector_loads)
     NCH, NCHV = -(-D // CHUNK), -(-DV // CHUNK)  # chunks of a K row and of a V row
@@ -176,7 +178,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, rows, paged, has
     FP32 = dtype == "float32"
     unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
     widen = WIDEN[dtype]
-    finish = _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse)
+    finish = _finisher(dtype, head_dim_v, group, seqlen_q, ROWS, split, write_lse)
 
     @cuda.jit(device=True, forceinline=True)
     def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
@@ -337,8 +339,9 @@ PAGE_INDICES_AHEAD = 2
 
 
 @functools.lru_cache(maxsize=None)
-def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_seqlens, split, write_lse, stages):
-    """Tensor-core (``mma.sync``) variant of ``decode_kernel``, same arguments and grid with ``rows = 16``.
+def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged, has_seqlens, split, write_lse):
+    """Tensor-core (``mma.sync``) variant of ``decode_kernel``, same arguments and grid with ``rows = 16``,
+    a ring of ``config.stages`` stages per warp.
 
     A block's query rows (``group · Sq`` rows of one KV head, 16 at a time) are
     the M side of m16n8k16 products. Each warp streams every fourth 16-key tile
@@ -347,7 +350,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, paged, has_s
     the loop) and keeps its own online softmax; the warps merge at the end.
     16-bit inputs with contiguous, 16-byte aligned rows; head dims multiples of 16.
     """
-    D, DV, G, SQ, STAGES = head_dim, head_dim_v, group, seqlen_q, stages
+    D, DV, G, SQ, STAGES = head_dim, head_dim_v, group, seqlen_q, config.stages
     IN_FLIGHT = STAGES - 1  # tiles a warp has in flight while it computes on one
     INDICES_AHEAD = max(PAGE_INDICES_AHEAD, IN_FLIGHT + 1)
     INDEX_SLOTS = IN_FLIGHT + INDICES_AHEAD  # a warp's tiles whose page indices are in shared memory

@@ -259,23 +259,22 @@ class _Plan:
         limits = device_limits(0 if p.device is None else p.device)
         vector = p.vector_loads
         group = p.heads_q // p.heads_kv
-        self.stages, rows, splitting, self.shared_bytes = decode_config(p.dtype, p.head_dim, p.head_dim_v, vector,
-                                                                        group * p.seqlen_q, limits)
-        auto_splits, row_chunks = _splits(p, rows, *splitting, limits)
+        config = decode_config(p.dtype, p.head_dim, p.head_dim_v, vector, group * p.seqlen_q, limits)
+        self.stages, self.shared_bytes = config.stages, config.shared_bytes
+        auto_splits, row_chunks = _splits(p, config.rows, *config.splitting, limits)
         self.splits = min(splits or auto_splits, MAX_SPLITS)
         self.split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
         flags = {"paged": p.page_table is not None, "has_seqlens": p.seqlens is not None, "split": self.split,
                  "write_lse": p.return_lse}
         if self.stages is not None:
-            self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, stages=self.stages,
-                                            **flags)
+            self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, config, **flags)
         else:
-            self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, rows,
+            self.decode = decode_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, config,
                                         vector_loads=vector, **flags)
         self.part_shape = (p.batch, p.heads_q, p.seqlen_q, self.splits, p.head_dim_v)
         self.counter_shape = self.grid[2:0:-1]  # [B, row chunks of every KV head]: the merge's tickets
-        kind = f"mma stages={self.stages}" if self.stages else f"simt rows={rows} vector={vector}"
+        kind = f"mma stages={self.stages}" if self.stages else f"simt rows={config.rows} vector={vector}"
         self.label = (f"decode {kind} {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} "
                       f"paged={p.page_table is not None} splits={self.splits}")
 
