@@ -18,37 +18,56 @@ def to_float64(x):
     return np.asarray(x, dtype=np.float64)
 
 
-def attention(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False):
+def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, sinks=None, scale=None,
+              layout="bhsd", return_lse=False):
     """``softmax(scale · q kᵀ) v`` in float64; same arguments and conventions as ``numattn.attention``.
 
-    Returns float64 numpy arrays: ``o`` in ``layout``, and with ``return_lse``
-    also ``lse`` ``[batch, num_heads_q, seqlen_q]`` (natural log, ``-inf`` for
-    a query that sees no key, whose output row is 0).
+    With ``i = query index + seqlen_kv − seqlen_q`` and ``j`` a key index: ``window=(left, right)``
+    keeps ``i − left ≤ j ≤ i + right`` (None or −1: no bound; right 0 under ``causal``), ``softcap=c``
+    maps the scaled score ``s`` to ``c · tanh(s / c)``, ``alibi_slopes`` (``[heads_q]`` or
+    ``[batch, heads_q]``) subtract ``slope · |i − j|``, ``sinks`` (``[heads_q]``) add ``exp(sink)`` to
+    the softmax's denominator. Returns float64 numpy arrays: ``o`` in ``layout``, and with ``return_lse``
+    also ``lse`` ``[batch, num_heads_q, seqlen_q]`` (natural log, ``-inf`` for a query that sees no key
+    and has no sink; its output row is 0).
     """
     axes = _LAYOUT_AXES[layout]
     q, k, v = (to_float64(x).transpose(axes) for x in (q, k, v))
-    heads_q, seqlen_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = scale * np.einsum("bhid,bhjd->bhij", q, k)
-    if causal:
-        i = np.arange(seqlen_q)[:, None]
-        j = np.arange(seqlen_kv)[None, :]
-        scores = np.where(j > i + (seqlen_kv - seqlen_q), -np.inf, scores)
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    i = np.arange(seqlen_q)[:, None] + (seqlen_kv - seqlen_q)
+    j = np.arange(seqlen_kv)[None, :]
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(to_float64(alibi_slopes), (batch, heads_q))
+        scores = scores - slopes[:, :, None, None] * np.abs(i - j)
+    left, right = (None, None) if window is None else window
+    visible = np.ones((seqlen_q, seqlen_kv), bool)
+    if causal or right is not None and right != -1:
+        visible &= j <= i + (0 if causal else right)
+    if left is not None and left != -1:
+        visible &= j >= i - left
+    scores = np.where(visible, scores, -np.inf)
+    if sinks is not None:  # a column with no value row
+        sink_column = np.broadcast_to(to_float64(sinks)[None, :, None, None], (batch, heads_q, seqlen_q, 1))
+        scores = np.concatenate([scores, sink_column], axis=-1)
+        v = np.concatenate([v, np.zeros((batch, heads_q, 1, v.shape[3]))], axis=2)
     row_max = scores.max(axis=-1, keepdims=True)
-    visible = ~np.isneginf(row_max)  # a NaN or +inf score makes the row NaN, as it does in the kernels
-    weights = np.exp(scores - np.where(visible, row_max, 0.0))
+    seen = ~np.isneginf(row_max)  # a NaN or +inf score makes the row NaN, as it does in the kernels
+    weights = np.exp(scores - np.where(seen, row_max, 0.0))
     total = weights.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhij,bhjd->bhid", weights / np.where(visible, total, 1.0), v)
+    o = np.einsum("bhij,bhjd->bhid", weights / np.where(seen, total, 1.0), v)
     o = o.transpose(np.argsort(axes))
     if not return_lse:
         return o
     with np.errstate(divide="ignore"):
-        lse = (np.log(total) + np.where(visible, row_max, 0.0))[..., 0]
-    return o, np.where(visible[..., 0], lse, -np.inf)
+        lse = (np.log(total) + np.where(seen, row_max, 0.0))[..., 0]
+    return o, np.where(seen[..., 0], lse, -np.inf)
 
 
 def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):

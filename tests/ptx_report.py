@@ -44,17 +44,23 @@ from numattn.kernels.attention_simt import simt_attention_kernel  # noqa: E402
 from numattn.kernels.attention_wgmma import wgmma_attention_kernel  # noqa: E402
 from numattn.kernels.decode import decode_kernel, decode_mma_kernel  # noqa: E402
 from numattn.kernels.mla import mla_decode_kernel  # noqa: E402
+from numattn.kernels.score_mods import ScoreMods  # noqa: E402
 
+# the attention kernels' score-modification arguments: alibi, sinks, left, right, cap_log2, cap_slope
+MOD_SIGNATURE = (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, "A"), types.int64, types.int64,
+                 types.float32, types.float32)
 SIGNATURE = {
-    storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32)
+    storage: (types.Array(storage, 4, "A"),) * 4 + (types.Array(types.float32, 3, "A"), types.float32, *MOD_SIGNATURE)
     for storage in (types.uint16, types.float32)
 }
+EVERY_MOD = ScoreMods(window=True, softcap=True, alibi=True, sinks=True)
 _U16, _F32, _I32, _U16_3 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4), (types.float32, 3),
                                                                   (types.int32, 2), (types.uint16, 3)))
 # split launches: partial outputs [.., S, Dv] and log2-sum-exps, the last-block tickets, the scale
 SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), _I32,
                    types.float32)
 DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:])
+ATTENTION_SPLIT_SIGNATURE = SPLIT_SIGNATURE + MOD_SIGNATURE
 
 
 def report(ptx):
@@ -85,10 +91,20 @@ def variants():
             config = choose_wgmma_config(head_dim, head_dim, 227 * 1024)
             kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True, True)
             yield f"wgmma-{dtype}-causal1-d{head_dim}", kernel, SIGNATURE[types.uint16]
+    # every score modification at once: sliding window, softcap, ALiBi, sinks
+    for head_dim in (64, 128):
+        mma_config, wgmma_config = (choose(head_dim, head_dim, 227 * 1024) for choose in (choose_mma_config,
+                                                                                         choose_wgmma_config))
+        kernel = mma_attention_kernel(mma_config, "bfloat16", head_dim, head_dim, True, True, mods=EVERY_MOD)
+        yield f"mma-bfloat16-causal1-d{head_dim}-mods", kernel, SIGNATURE[types.uint16]
+        kernel = wgmma_attention_kernel(wgmma_config, "bfloat16", head_dim, head_dim, True, True, True, mods=EVERY_MOD)
+        yield f"wgmma-bfloat16-causal1-d{head_dim}-mods", kernel, SIGNATURE[types.uint16]
+    kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), "float32", 64, 64, True, True, mods=EVERY_MOD)
+    yield "simt-float32-causal1-d64-mods", kernel, SIGNATURE[types.float32]
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
-    yield "cluster-mma-attention", clustered, SPLIT_SIGNATURE
+    yield "cluster-mma-attention", clustered, ATTENTION_SPLIT_SIGNATURE
     # split launches whose last block merges and resets its ticket counter for the next launch
     ring = {stages: DecodeConfig(stages, MMA_ROWS, MMA_SPLITTING, decode_mma_shared_bytes(128, 128, stages))
             for stages in (2, 3)}
@@ -99,7 +115,7 @@ def variants():
                                               vector_loads=True), DECODE_SIGNATURE)
     yield ("split-mma-attention",
            mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False, False, True),
-           SPLIT_SIGNATURE)
+           ATTENTION_SPLIT_SIGNATURE)
     # a paged cache: page indices copied into shared memory tiles ahead of their keys
     yield ("paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, ring[2], paged=True, has_seqlens=True,
                                                  split=False, write_lse=False), DECODE_SIGNATURE)

@@ -277,6 +277,7 @@ def test_cluster_merge_stages_and_merges_a_tile(rng, causal):
     from numattn.kernels.constants import LOG2E
     from numattn.kernels.launch import compiled
     from numattn.kernels.split_merge import cluster_stage_bytes
+    from numattn.ops.score_mods import NO_OPTIONS
 
     q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 40, 37, 32, 16), "float16")
     config = MmaConfig(block_n=16, num_warps=2)
@@ -288,7 +289,7 @@ def test_cluster_merge_stages_and_merges_a_tile(rng, causal):
     grid = (-(-40 // config.block_m) * 2, 1)
     compiled(kernel, None, 0, shared, "cluster merge").launch_arrays(
         grid, config.num_threads, *(x.view(np.uint16) for x in (q, k, v)), o.view(np.uint16), lse, *unused,
-        np.float32(0.3 * LOG2E))
+        np.float32(0.3 * LOG2E), *NO_OPTIONS.host_arrays(None, None, 1, 2), *NO_OPTIONS.scalars())
     ref_o, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.3, return_lse=True)
     assert max_error(o, ref_o) <= ATOL["float16"]
     finite = np.isfinite(ref_lse)

@@ -30,8 +30,9 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .constants import LOG2E_F32
 from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
-from .online_softmax import partial_store, softmax_steps
+from .online_softmax import partial_store, seed_sink, softmax_steps
 from .ptx import (
     cluster_sync,
     cp_async_16,
@@ -42,6 +43,7 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
 )
+from .score_mods import NO_MODS, crosses_window, window_span
 from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
 from .tiles import PAD, query_block, row_major_cell, tile_copier, tile_view
 
@@ -50,16 +52,17 @@ _ZERO = np.float32(0.0)
 
 @functools.lru_cache(maxsize=None)
 def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, split=False, k_transposed=False,
-                         cluster_merge=False):
-    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
+                         cluster_merge=False, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
+    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
 
-    With ``split`` the kernel is ``kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2)``
+    With ``split`` the kernel is ``kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, ...)``
     and the grid ``(cdiv(Sq, block_m) · B · Hq, S)``: block ``(x, s)`` visits the
-    ``s``-th of S equal runs of key tiles and writes the float32 partials
+    ``s``-th of S equal runs of key tiles (of the window's, with a window; the sink counts in run 0) and writes the float32 partials
     ``o_part [B, Hq, Sq, S, Dv]`` (normalized within the split) and
     ``lse_part [B, Hq, Sq, S]`` (log2 domain); the last of a query tile's S blocks
     to finish (``counters [1, cdiv(Sq, block_m) · B · Hq]`` int32, zero at launch
@@ -91,10 +94,12 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     V_OFF = K_OFF + STAGES * K_STAGE
     V_STAGE = BLOCK_N * V_ROW
     CAUSAL, WRITE_LSE, SPLIT, CLUSTER = causal, write_lse, split, split and cluster_merge
+    WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
     STAGE_COLS = cluster_stage_cols(DV)
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
-    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype)
+    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype,
+                                                                            mods=mods)
     store_partial = partial_store(WARP_M, DTILES, staged=CLUSTER)
     merge_splits = split_merger(dtype, DV, None, write_lse)
     merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
@@ -133,18 +138,25 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 q_s, warp_row0 + 16 * mt, 16 * ks, mat, mrow, False)
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
+    def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
+               cap_slope):
         smem = cuda.shared.array(0, uint16)
         q_s = tile_view(smem, 0, BLOCK_M, Q_ROW)
         seqlen_q, seqlen_kv = q.shape[2], v.shape[2]  # v: k may be given transposed
         diagonal = seqlen_kv - seqlen_q
         b, h, h_kv, m0, n_end = query_block(q, v, BLOCK_M, CAUSAL)
-        n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
         first = 0  # the first key of this block's run of tiles
+        if WINDOW:
+            first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
+            first = first // BLOCK_N * BLOCK_N
+        n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
         if SPLIT:
-            per_split = -(-((seqlen_kv + BLOCK_N - 1) // BLOCK_N) // cuda.gridDim.y)
-            first = cuda.blockIdx.y * per_split * BLOCK_N
+            tiles = n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N
+            per_split = -(-tiles // cuda.gridDim.y)
+            first += cuda.blockIdx.y * per_split * BLOCK_N
             n_blocks = max(0, min(n_blocks - cuda.blockIdx.y * per_split, per_split))
+        slope_log2 = alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO
+        terms = (left, right, cap_log2, cap_slope, slope_log2)
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
@@ -177,6 +189,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         s = cuda.local.array((WARP_M, NTILES, 4), float32)
         p_frag = cuda.local.array((WARP_M, 4), uint32)  # A fragment of P for one k-step
         init(m_i, l_i, acc)
+        if SINKS and (not SPLIT or cuda.blockIdx.y == 0):
+            seed_sink(m_i, l_i, sinks[h] * LOG2E_F32, t)
 
         for j in range(n_blocks):
             stage = j % STAGES
@@ -214,7 +228,9 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
 
             n0 = first + j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
-            scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t)
+            if WINDOW:
+                masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
+            scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t, terms)
             if update(s, m_i, l_i, row_max, alpha):
                 rescale(acc, alpha)
 
@@ -252,10 +268,13 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
 
     if SPLIT:
-        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2):
-            attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2)
+        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope):
+            attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope)
     else:
-        def kernel(q, k, v, o, lse, scale_log2):
-            attend(q, k, v, o, lse, o, lse, lse, scale_log2)  # the split arguments are unused
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+            # the split arguments are unused
+            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)
 
     return cuda.jit(kernel)

@@ -15,7 +15,7 @@ memory; each thread keeps a partial ``l_i`` over its own columns, and the
 partials are summed once, in the epilogue.
 
 Causal masking is bottom-right aligned: row ``i`` sees key ``j`` when
-``j <= i + seqlen_kv - seqlen_q``. Key tiles entirely past the diagonal are not
+``j <= i + seqlen_kv - seqlen_q``. Key tiles entirely past the diagonal (or outside a window) are not
 visited; a row that sees no key writes 0 and an LSE of ``-inf``. A NaN score makes its row's
 output and LSE NaN: ``exp2`` turns it into a NaN row sum, whether or not the row max took it.
 """
@@ -27,7 +27,8 @@ import numpy as np
 from numba import float32
 
 from .._cuda import cuda
-from .constants import LN2_F32
+from .constants import LN2_F32, LOG2E_F32
+from .score_mods import NO_MODS, softcapped, window_span
 from .tiles import NARROW, WIDEN, query_block, tile_view
 
 _NEG_INF = np.float32(-np.inf)
@@ -40,13 +41,15 @@ def _cdiv(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse):
-    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)`` for one specialisation.
+def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``
+    for one specialisation.
 
     ``q`` (B, Hq, Sq, D), ``k`` (B, Hkv, Skv, D), ``v`` (B, Hkv, Skv, Dv) and
     ``o`` (B, Hq, Sq, Dv) are strided 4-D arrays of the storage dtype,
     ``lse`` (B, Hq, Sq) float32 (unused unless ``write_lse``), ``scale_log2``
-    the softmax scale times log2(e), float32. Launch with
+    the softmax scale times log2(e), float32; the score modifications ``mods`` and the arguments after
+    ``scale_log2`` as ``score_mods.py`` says. Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
     """
@@ -66,6 +69,7 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
     P_OFF = V_OFF + BLOCK_N * DV_PAD
     X_OFF = P_OFF + BLOCK_M * P_ROW
     CAUSAL, WRITE_LSE = causal, write_lse
+    WINDOW, SOFTCAP, ALIBI, SINKS = mods.window, mods.softcap, mods.alibi, mods.sinks
     widen, narrow = WIDEN[dtype], NARROW[dtype]
 
     @cuda.jit(device=True)
@@ -80,7 +84,7 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                 value = widen(src[b, h, row0 + r, c]) * scale
             dst[r, c] = value
 
-    def kernel(q, k, v, o, lse, scale_log2):
+    def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
         smem = cuda.shared.array(0, float32)
         q_s = tile_view(smem, Q_OFF, BLOCK_M, QK_ROW)
         k_s = tile_view(smem, K_OFF, BLOCK_N, QK_ROW)
@@ -91,6 +95,10 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
         seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
         diagonal = seqlen_kv - seqlen_q
         b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
+        first = 0
+        if WINDOW:
+            first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
+        slope_log2 = alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO
 
         tn = cuda.threadIdx.x % THREADS_N
         tm = cuda.threadIdx.x // THREADS_N
@@ -102,12 +110,12 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
         acc = cuda.local.array((ROWS, VCOLS), float32)
         s = cuda.local.array((ROWS, COLS), float32)
         for i in range(ROWS):
-            m_i[i] = _NEG_INF
-            l_i[i] = _ZERO
+            m_i[i] = sinks[h] * LOG2E_F32 if SINKS else _NEG_INF  # a sink counts once, in column thread 0's sum
+            l_i[i] = _ONE if SINKS and tn == 0 else _ZERO
             for j in range(VCOLS):
                 acc[i, j] = _ZERO
 
-        for n0 in range(0, n_end, BLOCK_N):
+        for n0 in range(first, n_end, BLOCK_N):
             cuda.syncthreads()  # the previous tile is no longer read
             load_tile(k_s, k, b, h_kv, n0, seqlen_kv, D, _ONE)
             load_tile(v_s, v, b, h_kv, n0, seqlen_kv, DV, _ONE)
@@ -123,13 +131,19 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                     for j in range(COLS):
                         s[i, j] += q_val * k_s[tn + j * THREADS_N, d]
 
-            # mask keys past the sequence end (and past the diagonal), partial row max
+            # modify the scores, mask keys past the sequence end, the diagonal or the window, partial row max
             for i in range(ROWS):
-                row = m0 + tm + i * THREADS_M
+                position = m0 + tm + i * THREADS_M + diagonal
                 row_max = _NEG_INF
                 for j in range(COLS):
                     col = n0 + tn + j * THREADS_N
-                    if col >= seqlen_kv or (CAUSAL and col > row + diagonal):
+                    if SOFTCAP:
+                        s[i, j] = softcapped(s[i, j], cap_log2, cap_slope)
+                    if ALIBI:
+                        s[i, j] -= slope_log2 * float32(abs(position - col))
+                    if col >= seqlen_kv or (CAUSAL and col > position):
+                        s[i, j] = _NEG_INF
+                    if WINDOW and not position - left <= col <= position + right:
                         s[i, j] = _NEG_INF
                     row_max = max(row_max, s[i, j])
                 x_s[tm + i * THREADS_M, tn] = row_max

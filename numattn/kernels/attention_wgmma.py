@@ -25,10 +25,12 @@ contiguous, 16-byte aligned rows.
 
 import functools
 
+import numpy as np
 from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .online_softmax import p_fragments, softmax_steps
+from .constants import LOG2E_F32
+from .online_softmax import p_fragments, seed_sink, softmax_steps
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
@@ -52,12 +54,16 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
+from .score_mods import NO_MODS, crosses_window, window_span
 from .tiles import query_block, sw128_cell, tile_copier, tile_view
+
+_ZERO = np.float32(0.0)
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out):
-    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2)``; arguments as for the SIMT kernel.
+def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
+    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says.
 
     ``aligned_out``: rows of ``o`` are contiguous and 16-byte aligned, so the output is
     written in 16-byte chunks.
@@ -88,21 +94,24 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     OUT_CHUNKS = DV // 8  # 16-byte chunks per output row
     ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
+    WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
-    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype)
+    init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype,
+                                                                            mods=mods)
     pack_p = p_fragments(PSTEPS, dtype)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv_async(view, bars, k, v, b, h_kv, j):
-        """Start this thread's copies of key tile ``j`` into its stage; the stage's FULL barrier counts them in."""
+    def load_kv_async(view, bars, k, v, b, h_kv, j, first):
+        """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``) into its stage; the
+        stage's FULL barrier counts them in."""
         stage = j % STAGES
-        load_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, b, h_kv, j * BLOCK_N, k.shape[2], D)
-        load_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, b, h_kv, j * BLOCK_N, k.shape[2], DV)
+        load_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, b, h_kv, first + j * BLOCK_N, k.shape[2], D)
+        load_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, b, h_kv, first + j * BLOCK_N, k.shape[2], DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
@@ -153,7 +162,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                     for e in range(8):
                         o[b, h, m0 + r, c + e] = view[row, col + e]
 
-    def kernel(q, k, v, o, lse, scale_log2):
+    def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
         smem = cuda.shared.array(0, uint16)
         bars = cuda.shared.array(BARRIERS, int64)
         start = aligned_start(smem, SW128_ALIGN)
@@ -161,7 +170,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
         diagonal = seqlen_kv - seqlen_q
         b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
-        n_blocks = (n_end + BLOCK_N - 1) // BLOCK_N
+        first = 0  # the first key of the first tile
+        if WINDOW:
+            first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
+            first = first // BLOCK_N * BLOCK_N
+        n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
+        terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
@@ -180,7 +194,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             cp_async_mbarrier_arrive(bars, Q_FULL)
             for j in range(STAGES - 1):  # the first tiles
                 if j < n_blocks:
-                    load_kv_async(view, bars, k, v, b, h_kv, j)
+                    load_kv_async(view, bars, k, v, b, h_kv, j, first)
             if GROUPS > 1 and group == GROUPS - 1:
                 barrier_arrive(TURN, 256)  # the first warpgroup goes first
 
@@ -192,6 +206,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         s = cuda.local.array((1, NTILES, 4), float32)
         p_frag = cuda.local.array((PSTEPS, 4), uint32)
         init(m_i, l_i, acc)
+        if SINKS:
+            seed_sink(m_i, l_i, sinks[h] * LOG2E_F32, t)
 
         if n_blocks > 0:
             wait_phase(bars, Q_FULL, 0)
@@ -211,9 +227,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if j > 0:
                 mbarrier_arrive(bars, EMPTY + (j - 1) % STAGES)
 
-            n0 = j * BLOCK_N
+            n0 = first + j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
-            scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t)
+            if WINDOW:
+                masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
+            scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms)
             if update(s, m_i, l_i, row_max, alpha):
                 rescale(acc, alpha)
             pack_p(p_frag, s)
@@ -222,7 +240,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if ahead < n_blocks:
                 if j > 0:
                     wait_phase(bars, EMPTY + (j - 1) % STAGES, (j - 1) // STAGES)
-                load_kv_async(view, bars, k, v, b, h_kv, ahead)
+                load_kv_async(view, bars, k, v, b, h_kv, ahead, first)
         if n_blocks > 0:
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)

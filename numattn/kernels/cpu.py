@@ -49,6 +49,8 @@ _INF = np.float32(np.inf)
 _NAN = np.float32(np.nan)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+_NO_BOUND = 2**62  # a window side without a bound
+_NO_MODS = (_NO_BOUND, _NO_BOUND, _ZERO)  # _attend's (left, right, cap) without a window or softcap
 
 
 # --------------------------------------------------------------------------
@@ -72,33 +74,53 @@ def _scores(x, y_t, cols, scale, s):
 
 
 @njit(cache=True)
-def _keys_seen(seen, r0, n, seqlen_q, causal):
-    """``seen[r]``: how many of the ``n`` keys row ``r0 + r`` sees (a prefix); returns the most."""
-    most = 0
-    for r in range(seen.shape[0]):
-        count = min(max((r0 + r) % seqlen_q + n - seqlen_q + 1, 0), n) if causal else n
-        seen[r] = count
-        most = max(most, count)
-    return most
+def _keys_seen(lo, hi, r0, n, seqlen_q, causal, left, right):
+    """``lo[r] .. hi[r]``: the keys among ``n`` that row ``r0 + r`` sees, those ``j`` with
+    ``i − left <= j <= i + right`` (and ``j <= i`` when ``causal``) for the row's position ``i`` among the
+    keys; returns ``(first, end)``, the span of them all (``end <= first`` when no row sees a key)."""
+    first, end = n, 0
+    for r in range(lo.shape[0]):
+        i = (r0 + r) % seqlen_q + n - seqlen_q
+        lo[r] = max(0, i - left)
+        hi[r] = max(lo[r], min(n, (min(right, 0) if causal else right) + i + 1))
+        if hi[r] > lo[r]:
+            first, end = min(first, lo[r]), max(end, hi[r])
+    return first, end
 
 
 @njit(cache=True)
-def _visible(seen, n0, cols, visible):
-    """``visible[r]``: how many of the ``cols`` keys from key ``n0`` row ``r`` sees; returns their total."""
+def _visible(lo, hi, n0, cols, c_lo, c_hi):
+    """``c_lo[r] .. c_hi[r]``: the columns of the ``cols`` keys from key ``n0`` that row ``r`` sees; returns
+    their total."""
     total = 0
-    for r in range(seen.shape[0]):
-        visible[r] = min(max(seen[r] - n0, 0), cols)
-        total += visible[r]
+    for r in range(lo.shape[0]):
+        c_lo[r] = min(max(lo[r] - n0, 0), cols)
+        c_hi[r] = max(min(hi[r] - n0, cols), c_lo[r])
+        total += c_hi[r] - c_lo[r]
     return total
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _fold_tile(s, visible, v_tile, m_i, l_i, acc):
-    """Fold row ``r``'s first ``visible[r]`` scores ``s[r]`` with values ``v_tile`` ``[BLOCK_N, Dv]``
+def _modify(s, c_lo, c_hi, positions, n0, cap, slopes):
+    """The visible scores ``s[r, c_lo[r] .. c_hi[r]]`` of keys from ``n0``: ``cap · tanh(s / cap)`` when
+    ``cap > 0``, then ``− slopes[r] · |i − j|`` when ``slopes`` has rows (``i = positions[r]``)."""
+    for r in range(s.shape[0]):
+        for c in range(c_lo[r], c_hi[r]):
+            x = s[r, c]
+            if cap > _ZERO:
+                x = cap * math.tanh(x / cap)
+            if slopes.shape[0]:
+                x -= slopes[r] * abs(positions[r] - (n0 + c))
+            s[r, c] = x
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _fold_tile(s, c_lo, c_hi, v_tile, m_i, l_i, acc):
+    """Fold row ``r``'s scores ``s[r, c_lo[r] .. c_hi[r]]`` with values ``v_tile`` ``[BLOCK_N, Dv]``
     into its online softmax ``(m_i[r], l_i[r], acc[r])``."""
     for r in range(m_i.shape[0]):
         m_new = m_i[r]
-        for c in range(visible[r]):
+        for c in range(c_lo[r], c_hi[r]):
             if s[r, c] > m_new or s[r, c] != s[r, c]:  # a NaN sticks, to reach o and lse
                 m_new = s[r, c]
         if m_new == _NEG_INF:  # no key, or only -inf scores, so far: nothing to add
@@ -107,7 +129,7 @@ def _fold_tile(s, visible, v_tile, m_i, l_i, acc):
         l = l_i[r] * alpha
         for e in range(acc.shape[1]):
             acc[r, e] *= alpha
-        for c in range(visible[r]):
+        for c in range(c_lo[r], c_hi[r]):
             p = math.exp(s[r, c] - m_new)
             l += p
             for e in range(acc.shape[1]):
@@ -117,11 +139,11 @@ def _fold_tile(s, visible, v_tile, m_i, l_i, acc):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _probabilities_and_grads(s, dp, visible, lse, delta):
-    """In place, for row ``r``'s first ``visible[r]`` keys: scores ``s`` become ``P = exp(s − lse[r])``
+def _probabilities_and_grads(s, dp, c_lo, c_hi, lse, delta):
+    """In place, for row ``r``'s keys ``c_lo[r] .. c_hi[r]``: scores ``s`` become ``P = exp(s − lse[r])``
     and ``dP`` becomes ``dS = P (dP − delta[r])``."""
-    for r in range(visible.shape[0]):
-        for c in range(visible[r]):
+    for r in range(c_lo.shape[0]):
+        for c in range(c_lo[r], c_hi[r]):
             p = math.exp(s[r, c] - lse[r])
             s[r, c] = p
             dp[r, c] = p * (dp[r, c] - delta[r])
@@ -165,10 +187,15 @@ def _gather_tile(k_a, k_b, v, page_table, b, h, n0, cols, k_t, v_tile):
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, seqlen_q, row_chunk, o, lse):
+def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, mods, slopes, sinks, seqlen_q, row_chunk, o,
+            lse):
     """Forward attention of query rows ``[q_a | q_b]`` ``[batch, heads_kv, rows, D_a + D_b]`` over paged keys
     ``[k_a | k_b]`` ``[num_pages, heads_kv, page_size, D_a + D_b]`` and values ``v``; writes ``o``
-    ``[batch, heads_kv, rows, Dv]`` and ``lse`` ``[batch, heads_kv, rows]``. Work items of ``row_chunk`` rows."""
+    ``[batch, heads_kv, rows, Dv]`` and ``lse`` ``[batch, heads_kv, rows]``. Work items of ``row_chunk`` rows.
+    ``mods`` is ``(left, right, cap)``: the window's sides and the softcap (0: none); ``slopes``
+    ``[batch, heads_kv, rows]`` the rows' ALiBi slopes and ``sinks`` ``[heads_kv, rows]`` their sinks'
+    logits (each empty when unused)."""
+    left, right, cap = mods
     batch, heads_kv, rows_all, dim_a = q_a.shape
     head_dim, head_dim_v = dim_a + q_b.shape[3], v.shape[3]
     capacity = page_table.shape[1] * k_a.shape[2] if k_a.shape[0] > 0 else 0
@@ -183,18 +210,29 @@ def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, seqlen_q,
                 q_rows[r, d] = q_a[b, h, r0 + r, d]
             for d in range(head_dim - dim_a):
                 q_rows[r, dim_a + d] = q_b[b, h, r0 + r, d]
-        seen, visible = np.empty(rows, np.int64), np.empty(rows, np.int64)
-        end = _keys_seen(seen, r0, min(max(seqlens[b], 0), capacity), seqlen_q, causal)
+        lo, hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        c_lo, c_hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        n = min(max(seqlens[b], 0), capacity)
+        first, end = _keys_seen(lo, hi, r0, n, seqlen_q, causal, left, right)
+        positions = np.empty(rows, np.int64)
+        for r in range(rows):
+            positions[r] = (r0 + r) % seqlen_q + n - seqlen_q
+        row_slopes = slopes[b, h, r0 : r0 + rows] if slopes.shape[0] else slopes[0, 0, :0]
         k_t, v_tile = np.empty((head_dim, BLOCK_N), np.float32), np.empty((BLOCK_N, head_dim_v), np.float32)
         s = np.empty((rows, BLOCK_N), np.float32)
         m_i, l_i = np.full(rows, _NEG_INF, np.float32), np.zeros(rows, np.float32)
+        if sinks.shape[0]:  # a sink is a term of the sum with no value
+            m_i[:] = sinks[h, r0 : r0 + rows]
+            l_i[:] = _ONE
         acc = np.zeros((rows, head_dim_v), np.float32)
-        for n0 in range(0, end, BLOCK_N):
+        for n0 in range(first, end, BLOCK_N):
             cols = min(BLOCK_N, end - n0)
-            _visible(seen, n0, cols, visible)
+            _visible(lo, hi, n0, cols, c_lo, c_hi)
             _gather_tile(k_a, k_b, v, page_table, b, h, n0, cols, k_t, v_tile)
             _scores(q_rows, k_t, cols, scale, s)
-            _fold_tile(s, visible, v_tile, m_i, l_i, acc)
+            if cap > _ZERO or row_slopes.shape[0]:
+                _modify(s, c_lo, c_hi, positions, n0, cap, row_slopes)
+            _fold_tile(s, c_lo, c_hi, v_tile, m_i, l_i, acc)
         for r in range(rows):
             if m_i[r] == _NEG_INF:
                 lse[b, h, r0 + r] = _NEG_INF
@@ -207,15 +245,16 @@ def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, seqlen_q,
 
 
 @njit(cache=True)
-def _keys_seen_by_rows(seen, r0, lse, seqlen_kv, seqlen_q, causal):
-    """``_keys_seen`` for the backward pass: rows with ``lse`` -inf saw no key and see none here."""
-    _keys_seen(seen, r0, seqlen_kv, seqlen_q, causal)
-    most = 0
-    for r in range(seen.shape[0]):
+def _keys_seen_by_rows(lo, hi, r0, lse, seqlen_kv, seqlen_q, causal):
+    """``_keys_seen`` (no window) for the backward pass: rows with ``lse`` -inf saw no key and see none here."""
+    _keys_seen(lo, hi, r0, seqlen_kv, seqlen_q, causal, _NO_BOUND, _NO_BOUND)
+    first, end = seqlen_kv, 0
+    for r in range(lo.shape[0]):
         if lse[r0 + r] == _NEG_INF:
-            seen[r] = 0
-        most = max(most, seen[r])
-    return most
+            hi[r] = lo[r]
+        if hi[r] > lo[r]:
+            first, end = min(first, lo[r]), max(end, hi[r])
+    return first, end
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
@@ -233,19 +272,20 @@ def _backward_kv(q, k, v, do, lse, delta, scale, causal, seqlen_q, dk, dv):
         _transpose(k[b, h, n0:], cols, k_t)
         _transpose(v[b, h, n0:], cols, v_t)
         dk_acc, dv_acc = np.zeros((cols, head_dim), np.float32), np.zeros((cols, head_dim_v), np.float32)
-        seen, visible = np.empty(BLOCK_M, np.int64), np.empty(BLOCK_M, np.int64)
+        lo, hi = np.empty(BLOCK_M, np.int64), np.empty(BLOCK_M, np.int64)
+        c_lo, c_hi = np.empty(BLOCK_M, np.int64), np.empty(BLOCK_M, np.int64)
         s, dp = np.empty((BLOCK_M, BLOCK_N), np.float32), np.empty((BLOCK_M, BLOCK_N), np.float32)
         for r0 in range(0, rows_all, BLOCK_M):
             rows = min(BLOCK_M, rows_all - r0)
-            _keys_seen_by_rows(seen[:rows], r0, lse[b, h], seqlen_kv, seqlen_q, causal)
-            if _visible(seen[:rows], n0, cols, visible[:rows]) == 0:
+            _keys_seen_by_rows(lo[:rows], hi[:rows], r0, lse[b, h], seqlen_kv, seqlen_q, causal)
+            if _visible(lo[:rows], hi[:rows], n0, cols, c_lo[:rows], c_hi[:rows]) == 0:
                 continue
             q_rows, do_rows = q[b, h, r0 : r0 + rows], do[b, h, r0 : r0 + rows]
             _scores(q_rows, k_t, cols, scale, s)
             _scores(do_rows, v_t, cols, _ONE, dp)
-            _probabilities_and_grads(s, dp, visible[:rows], lse[b, h, r0:], delta[b, h, r0:])
+            _probabilities_and_grads(s, dp, c_lo[:rows], c_hi[:rows], lse[b, h, r0:], delta[b, h, r0:])
             for r in range(rows):
-                for c in range(visible[r]):
+                for c in range(c_lo[r], c_hi[r]):
                     for e in range(head_dim_v):
                         dv_acc[c, e] += s[r, c] * do_rows[r, e]
                     for d in range(head_dim):
@@ -268,22 +308,23 @@ def _backward_q(q, k, v, do, lse, delta, scale, causal, seqlen_q, dq):
         b, h, chunk = _work_item(item, heads_kv, chunks)
         r0 = chunk * BLOCK_M
         rows = min(BLOCK_M, rows_all - r0)
-        seen, visible = np.empty(rows, np.int64), np.empty(rows, np.int64)
-        end = _keys_seen_by_rows(seen, r0, lse[b, h], seqlen_kv, seqlen_q, causal)
+        lo, hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        c_lo, c_hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
+        first, end = _keys_seen_by_rows(lo, hi, r0, lse[b, h], seqlen_kv, seqlen_q, causal)
         k_t, v_t = np.empty((head_dim, BLOCK_N), np.float32), np.empty((head_dim_v, BLOCK_N), np.float32)
         s, dp = np.empty((rows, BLOCK_N), np.float32), np.empty((rows, BLOCK_N), np.float32)
         dq_acc = np.zeros((rows, head_dim), np.float32)
         q_rows, do_rows = q[b, h, r0 : r0 + rows], do[b, h, r0 : r0 + rows]
-        for n0 in range(0, end, BLOCK_N):
+        for n0 in range(first, end, BLOCK_N):
             cols = min(BLOCK_N, end - n0)
-            _visible(seen, n0, cols, visible)
+            _visible(lo, hi, n0, cols, c_lo, c_hi)
             _transpose(k[b, h, n0:], cols, k_t)
             _transpose(v[b, h, n0:], cols, v_t)
             _scores(q_rows, k_t, cols, scale, s)
             _scores(do_rows, v_t, cols, _ONE, dp)
-            _probabilities_and_grads(s, dp, visible, lse[b, h, r0:], delta[b, h, r0:])
+            _probabilities_and_grads(s, dp, c_lo, c_hi, lse[b, h, r0:], delta[b, h, r0:])
             for r in range(rows):
-                for c in range(visible[r]):
+                for c in range(c_lo[r], c_hi[r]):
                     for d in range(head_dim):
                         dq_acc[r, d] += dp[r, c] * k[b, h, n0 + c, d]
         for r in range(rows):
@@ -334,9 +375,11 @@ def _row_chunk(rows, outer):
     return max(1, min(BLOCK_M, -(-rows * outer // (2 * numba.get_num_threads()))))
 
 
-def _paged_attention(q, q_pe, k_pages, kpe_pages, v_pages, page_table, seqlens, scale, causal):
+def _paged_attention(q, q_pe, k_pages, kpe_pages, v_pages, page_table, seqlens, scale, causal, mods=_NO_MODS,
+                     slopes=None, sinks=None):
     """``(o, lse)`` of ``_attend`` for ``q``, ``q_pe`` ``[batch, heads_q, seqlen_q, D]`` and pages
-    ``[num_pages, heads_kv, page_size, D]``; query head ``h`` reads KV head ``h // group``."""
+    ``[num_pages, heads_kv, page_size, D]``; query head ``h`` reads KV head ``h // group``. ``mods``, and
+    ``slopes`` ``[batch, heads_q]`` and ``sinks`` ``[heads_q]`` (None: unused), as ``_attend`` takes them."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     num_pages, heads_kv, page_size, head_dim_v = v_pages.shape
     _require(heads_kv > 0 and heads_q % heads_kv == 0, f"heads_q {heads_q} is not a multiple of heads_kv {heads_kv}")
@@ -346,12 +389,20 @@ def _paged_attention(q, q_pe, k_pages, kpe_pages, v_pages, page_table, seqlens, 
     _require(page_table.ndim == 2 and page_table.shape[0] == batch and seqlens.shape == (batch,),
              "page_table must be [batch, max_pages] and seqlens [batch]")
     rows = heads_q // heads_kv * seqlen_q
+
+    def per_row(x):  # [..., heads_q] -> [..., heads_kv, rows]: each head's value on each of its rows
+        x = np.broadcast_to(_host(x)[..., None], (*x.shape, seqlen_q))
+        return np.ascontiguousarray(x.reshape(*x.shape[:-2], heads_kv, rows))
+
+    slopes = np.empty((0, 0, 0), np.float32) if slopes is None else per_row(np.broadcast_to(slopes, (batch, heads_q)))
+    sinks = np.empty((0, 0), np.float32) if sinks is None else per_row(sinks)
     o = np.empty((batch, heads_q, seqlen_q, head_dim_v), np.float32)
     lse = np.empty((batch, heads_q, seqlen_q), np.float32)
+    left, right, cap = mods
     _attend(q.reshape(batch, heads_kv, rows, head_dim), q_pe.reshape(batch, heads_kv, rows, q_pe.shape[3]),
-            k_pages, kpe_pages, v_pages, page_table, seqlens, np.float32(scale), bool(causal), seqlen_q,
-            _row_chunk(rows, batch * heads_kv), o.reshape(batch, heads_kv, rows, head_dim_v),
-            lse.reshape(batch, heads_kv, rows))
+            k_pages, kpe_pages, v_pages, page_table, seqlens, np.float32(scale), bool(causal),
+            (int(left), int(right), np.float32(cap)), slopes, sinks, seqlen_q, _row_chunk(rows, batch * heads_kv),
+            o.reshape(batch, heads_kv, rows, head_dim_v), lse.reshape(batch, heads_kv, rows))
     return o, lse
 
 
@@ -360,23 +411,28 @@ def _no_dims(x):
     return np.empty(x.shape[:-1] + (0,), np.float32)
 
 
-def attention_forward(q, k, v, scale, causal):
+def attention_forward(q, k, v, scale, causal, window=None, softcap=None, alibi_slopes=None, sinks=None):
     """``softmax(scale · q kᵀ) v`` and its log-sum-exp.
 
     ``q`` ``[batch, heads_q, seqlen_q, head_dim]``, ``k`` ``[batch, heads_kv, seqlen_kv, head_dim]``,
     ``v`` ``[batch, heads_kv, seqlen_kv, head_dim_v]`` float32, ``heads_q`` a multiple of ``heads_kv``
     (query head ``h`` reads KV head ``h // (heads_q // heads_kv)``). With ``causal``, query ``i`` sees
-    keys ``j <= i + seqlen_kv - seqlen_q`` (bottom-right aligned).
+    keys ``j <= i + seqlen_kv - seqlen_q`` (bottom-right aligned). The score modifications as
+    ``numattn.attention`` takes them: ``window`` ``(left, right)`` (non-negative; large for no bound),
+    ``softcap`` (None: none), ``alibi_slopes`` ``[heads_q]`` or ``[batch, heads_q]`` and ``sinks``
+    ``[heads_q]`` (float32, or None).
 
     Returns float32 ``o`` ``[batch, heads_q, seqlen_q, head_dim_v]`` and natural-log ``lse``
-    ``[batch, heads_q, seqlen_q]``; a row that sees no key gets ``o = 0``, ``lse = -inf``, a row with
-    a NaN or +inf score NaN.
+    ``[batch, heads_q, seqlen_q]``; a row that sees no key gets ``o = 0``, ``lse = -inf`` (the sink's
+    logit with ``sinks``), a row with a NaN or +inf score NaN.
     """
     q, k, v = _host(q), _host(k), _host(v)
     batch, seqlen_kv = q.shape[0], k.shape[2]
     _require(k.shape[0] == v.shape[0] == batch, "q, k and v must share the batch")
+    left, right = window or (_NO_BOUND, _NO_BOUND)
     return _paged_attention(q, _no_dims(q), k, _no_dims(k), v, np.arange(batch, dtype=np.int32).reshape(batch, 1),
-                            np.full(batch, seqlen_kv, np.int32), scale, causal)
+                            np.full(batch, seqlen_kv, np.int32), scale, causal, (left, right, softcap or 0.0),
+                            alibi_slopes, sinks)
 
 
 def attention_backward(q, k, v, o, lse, do, scale, causal):

@@ -89,6 +89,7 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
+from .score_mods import NO_TERMS
 from .tiles import tile_view
 
 HEADS_PER_BLOCK = 64  # one m64 product
@@ -462,7 +463,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if not SHARED:
                     mbarrier_arrive(bars, SCORED + STAGES * group + stage)
                 n0 = first + j * BLOCK_N
-                scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t)
+                scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t, NO_TERMS)
                 rescaled = update(s, m_i, l_i, row_max, alpha)
                 if rescaled:
                     rescale(acc, alpha)

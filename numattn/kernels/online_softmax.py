@@ -18,6 +18,7 @@ from numba import float32
 from .._cuda import cuda
 from .constants import LN2_F32
 from .ptx import ballot, ex2_approx, pack_bf16x2, pack_f16x2, shfl_xor_f32, st_shared_v2_f32
+from .score_mods import NO_MODS, softcapped
 from .tiles import NARROW
 
 _NEG_INF = np.float32(-np.inf)
@@ -35,15 +36,26 @@ def quad_sum(x):
     return x + shfl_xor_f32(x, 2)
 
 
+@cuda.jit(device=True, forceinline=True)
+def seed_sink(m_i, l_i, sink_log2, t):
+    """Start every row's softmax from an attention sink of logit ``sink_log2`` (log2 domain): a term of
+    the sum with no value row, counted once per lane group (``l_i`` holds lane partials)."""
+    for r in range(m_i.shape[0]):
+        m_i[r] = sink_log2
+        l_i[r] = _ONE if t == 0 else _ZERO
+
+
 @functools.lru_cache(maxsize=None)
-def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
+def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=NO_MODS):
     """Device functions ``(init, scale_and_mask, update, rescale, normalize, store)`` for one tile shape.
 
     ``warp_m`` m16 tiles per warp, ``ntiles`` n8 score tiles per key tile,
     ``dtiles`` n8 output tiles, ``dtype`` the output element type; ``headroom`` (log2) how far a
-    row's max may exceed the softmax's reference max before the reference moves (0: eager rescaling).
+    row's max may exceed the softmax's reference max before the reference moves (0: eager rescaling);
+    ``mods`` the score modifications (``score_mods.py``) that ``scale_and_mask`` applies.
     """
     WARP_M, NTILES, DTILES, CAUSAL = warp_m, ntiles, dtiles, causal
+    WINDOW, SOFTCAP, ALIBI, ELEMENTWISE = mods.window, mods.softcap, mods.alibi, mods.elementwise
     HEADROOM = np.float32(headroom)
     CHAINS = min(4, ntiles)  # partial maxima and sums per row
     narrow = NARROW[dtype]
@@ -60,21 +72,59 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE):
                     acc[mt, dt, e] = _ZERO
 
     @cuda.jit(device=True, forceinline=True)
-    def scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t):
-        """Scores into the log2 domain; when ``masked``, keys past the end or the causal diagonal get -inf.
+    def modified(x, scale_log2, distance, terms):
+        """A raw score into the log2 domain: scaled, softcapped, less ALiBi's bias for a query and a key
+        ``distance`` (float32) apart; ``terms`` are ``(left, right, cap_log2, cap_slope, slope_log2)``."""
+        x *= scale_log2
+        if SOFTCAP:
+            x = softcapped(x, terms[2], terms[3])
+        if ALIBI:
+            x -= terms[4] * distance
+        return x
+
+    @cuda.jit(device=True, forceinline=True)
+    def scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms):
+        """Scores into the log2 domain, modified by ``terms`` (see ``modified``); when ``masked``, keys past
+        the end, the causal diagonal or the window get -inf.
 
         ``row0`` is the query row of the warp's first row, ``n0`` the key of the tile's first column.
         """
+        # ALiBi's distances in float32 from one converted offset (64-bit integer arithmetic per score costs
+        # more than the rest of the pass): lane row r = 16 mt + 8 half, column c = 8 nt + e2 sit at
+        # |offset + r - c| (exact below 2**24 keys)
+        offset = float32(row0 + g + diagonal) - float32(n0 + 2 * t)
         # Two separate passes: with the mask test inside the unmasked pass, the compiler
         # turns it into predicated code that every key tile executes.
-        if masked:
+        if masked and WINDOW:  # each row's first and last visible key, then one test per score
+            for mt in range(WARP_M):
+                for half in range(2):
+                    position = row0 + 16 * mt + g + 8 * half + diagonal
+                    first = position - terms[0]
+                    last = min(position + terms[1], seqlen_kv - 1)
+                    if CAUSAL:
+                        last = min(last, position)
+                    for nt in range(NTILES):
+                        for e2 in range(2):
+                            col = n0 + 8 * nt + 2 * t + e2
+                            distance = abs(offset + float32(16 * mt + 8 * half - 8 * nt - e2))
+                            x = s[mt, nt, 2 * half + e2]
+                            s[mt, nt, 2 * half + e2] = (modified(x, scale_log2, distance, terms)
+                                                        if first <= col <= last else _NEG_INF)
+        elif masked:
             for mt in range(WARP_M):
                 for nt in range(NTILES):
                     for e in range(4):
                         row = row0 + 16 * mt + g + 8 * (e // 2)
                         col = n0 + 8 * nt + 2 * t + e % 2
                         visible = col < seqlen_kv and not (CAUSAL and col > row + diagonal)
-                        s[mt, nt, e] = s[mt, nt, e] * scale_log2 if visible else _NEG_INF
+                        distance = abs(offset + float32(16 * mt + 8 * (e // 2) - 8 * nt - e % 2))
+                        s[mt, nt, e] = modified(s[mt, nt, e], scale_log2, distance, terms) if visible else _NEG_INF
+        elif ELEMENTWISE:
+            for mt in range(WARP_M):
+                for nt in range(NTILES):
+                    for e in range(4):
+                        distance = abs(offset + float32(16 * mt + 8 * (e // 2) - 8 * nt - e % 2))
+                        s[mt, nt, e] = modified(s[mt, nt, e], scale_log2, distance, terms)
         else:
             for mt in range(WARP_M):
                 for nt in range(NTILES):

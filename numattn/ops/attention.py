@@ -44,7 +44,8 @@ from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
-from .plans import PLANS, LaunchPlan, array_signature, on_device
+from .plans import PLANS, LaunchPlan, array_signature, on_device, tensor_pointer
+from .score_mods import NO_OPTIONS, ScoreOptions, score_options
 from .workspace import WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -76,6 +77,7 @@ class Problem:
     k: Operand
     v: Operand
     out: Operand  # None when numattn allocates the output
+    options: ScoreOptions = NO_OPTIONS  # window, softcap, ALiBi, sinks
 
     @property
     def out_shape(self):
@@ -120,7 +122,8 @@ class Problem:
         )
 
 
-def validate(q, k, v, out, causal, scale, layout, return_lse):
+def validate(q, k, v, out, causal, scale, layout, return_lse, window=None, softcap=None, alibi_slopes=None,
+             sinks=None):
     """The ``Problem`` of a call of ``attention`` with these arguments (``out`` None for none), or the
     TypeError/ValueError that names the bad one: with ``make_plan``, the planning API of the op that
     the searcher and the benchmarks use."""
@@ -165,9 +168,10 @@ def validate(q, k, v, out, causal, scale, layout, return_lse):
 
     scale = softmax_scale(scale, dq)
     q_op = ops["q"]
+    options = score_options(window, softcap, alibi_slopes, sinks, causal, bq, hq, q_op.device)
     problem = Problem(
         bq, hq, hk, sq, sk, dq, dv, q_op.dtype, q_op.device, bool(causal), float(scale), layout,
-        bool(return_lse), q_op, ops["k"], ops["v"], None,
+        bool(return_lse), q_op, ops["k"], ops["v"], None, options,
     )
     if out is not None:
         problem = replace(problem, out=out_operand(out, q_op, problem.out_shape))
@@ -275,7 +279,8 @@ def _attention_kernel(p, device, config=None, splits=1):
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": cluster_merges(blocks, splits, limits)}
-    dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags)
+    dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags,
+                                mods=p.options.mods)
     shared_bytes = problem_shared_bytes(p, config)
     cluster = None
     if flags.get("cluster_merge"):
@@ -283,7 +288,7 @@ def _attention_kernel(p, device, config=None, splits=1):
         shared_bytes = max(shared_bytes, cluster_stage_bytes(config.block_m, p.head_dim_v))
     merge = "cluster" if cluster else "last block"
     label = (f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
-             + (f" merged by {merge}" if splits > 1 else ""))
+             + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
                    config, cluster)
 
@@ -315,7 +320,8 @@ class _DevicePlan(LaunchPlan):
         argtypes = (types.Array(storage, 4, "A"),) * 3 + (types.Array(storage, 4, "A"), types.Array(f32, 3, "A"))
         if splits > 1:
             argtypes += (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(types.int32, 2, "A"))
-        kernel = compiled(chosen.dispatcher, argtypes + (f32,), p.device, chosen.shared_bytes, chosen.label)
+        argtypes += (f32, types.Array(f32, 2, "A"), types.Array(f32, 1, "A"), types.int64, types.int64, f32, f32)
+        kernel = compiled(chosen.dispatcher, argtypes, p.device, chosen.shared_bytes, chosen.label)
 
         itemsize = storage_dtype(p.dtype).itemsize
         out_strides = p.out.strides if p.out is not None else contiguous_strides(p.out_shape)
@@ -334,11 +340,14 @@ class _DevicePlan(LaunchPlan):
             arrays += [(shape, contiguous_strides(shape), 4) for shape in self.split_shapes]
         fields, slots = array_fields(arrays)
         fields.append(np.float32(p.scale * LOG2E))
-        # (stream, q, k, v, out, lse) or, with splits, (..., part, part_lse, counters)
+        mod_fields, mod_slots = array_fields(p.options.arrays(p.batch, p.heads_q))
+        slots[3:3] = [len(fields) + slot for slot in mod_slots]
+        fields += mod_fields + p.options.scalars()
+        # (stream, q, k, v, alibi, sinks, out, lse) or, with splits, (..., part, part_lse, counters)
         self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
-    def __call__(self, q, k, v, out):
-        return self.run_device_arrays((q, k, v), out)
+    def __call__(self, q, k, v, out, alibi=None, sinks=None):
+        return self.run_device_arrays((q, k, v, alibi, sinks), out)
 
 
 class _TorchPlan(_DevicePlan):
@@ -348,8 +357,8 @@ class _TorchPlan(_DevicePlan):
         super().__init__(p, config, splits)
         self.run = self.torch_runner()
 
-    def __call__(self, q, k, v, out):
-        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr())
+    def __call__(self, q, k, v, out, alibi=None, sinks=None):
+        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(alibi), tensor_pointer(sinks))
 
 
 class _HostPlan:
@@ -361,14 +370,16 @@ class _HostPlan:
             name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
-        self.device_plan = _DevicePlan(replace(p, device=device, out=None, **contiguous), config, splits)
+        on_gpu = replace(p, device=device, out=None, options=p.options.on_device(device), **contiguous)
+        self.device_plan = _DevicePlan(on_gpu, config, splits)
         self.config, self.splits = self.device_plan.config, splits
         self.problem = p
 
-    def __call__(self, q, k, v, out):
+    def __call__(self, q, k, v, out, alibi=None, sinks=None):
         p = self.problem
-        stored = [host_storage(x, op) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
-        result = on_device(lambda *arrays: self.device_plan(*arrays, None), stored)
+        stored = [None if x is None else host_storage(x, op)
+                  for x, op in ((q, p.q), (k, p.k), (v, p.v), (alibi, p.options.alibi), (sinks, p.options.sinks))]
+        result = on_device(lambda q, k, v, alibi, sinks: self.device_plan(q, k, v, None, alibi, sinks), stored)
         o, lse = result if p.return_lse else (result, None)
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
@@ -386,19 +397,22 @@ class _NoGpuPlan:
         self.problem, self.splits = p, splits
         self.split_shapes = _split_shapes(p, self.grid, splits)
 
-    def __call__(self, q, k, v, out):
+    def __call__(self, q, k, v, out, alibi=None, sinks=None):
         p = self.problem
         axes = _LAYOUT_AXES[p.layout]
         views = [host_storage(x, op).transpose(axes) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        alibi, sinks = p.options.host_arrays(alibi, sinks, p.batch, p.heads_q)
         if simulating():
-            o, lse = self._simulated(*views)
+            o, lse = self._simulated(*views, alibi, sinks)
         else:
-            o, lse = cpu.attention_forward(*(float32_values(x, p.dtype) for x in views), p.scale, p.causal)
+            o, lse = cpu.attention_forward(*(float32_values(x, p.dtype) for x in views), p.scale, p.causal,
+                                           p.options.window, p.options.softcap, alibi if p.options.alibi else None,
+                                           sinks if p.options.sinks else None)
             o = np.ascontiguousarray(rounded_storage(o, p.dtype).transpose(axes))  # axes: its own inverse
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
-    def _simulated(self, q, k, v):
+    def _simulated(self, q, k, v, alibi, sinks):
         """``(o in the caller's layout, lse)`` of the GPU kernel on (B, H, S, D) views."""
         p = self.problem
         if self.k_transposed:
@@ -411,7 +425,7 @@ class _NoGpuPlan:
             splits = [np.empty(part_shape, np.float32), np.empty(part_lse_shape, np.float32),
                       np.zeros(counter_shape, np.int32)]
         self.kernel.launch_arrays(self.grid, self.block, q, k, v, o.transpose(_LAYOUT_AXES[p.layout]), lse, *splits,
-                                  np.float32(p.scale * LOG2E))
+                                  np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars())
         return o, lse
 
 
@@ -427,11 +441,12 @@ def _deliver(o_storage, q, out, p):
     return out
 
 
-def _key(q, k, v, out, causal, scale, layout, return_lse):
+def _key(q, k, v, out, causal, scale, layout, return_lse, options):
     """Plan-cache key of a call whose arrays have ``.stride()`` and ``.data_ptr()`` (torch); AttributeError otherwise.
 
     Flags and scale enter with their types, so that a cached plan never accepts
-    what validation would reject (``1 == True``, but ``causal=1`` is an error).
+    what validation would reject (``1 == True``, but ``causal=1`` is an error);
+    ``options`` are the score modifications' ``(window, softcap, alibi_slopes, sinks)``.
     """
     return (
         "attention",
@@ -441,7 +456,21 @@ def _key(q, k, v, out, causal, scale, layout, return_lse):
         (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
+        options if options == _NO_OPTION_ARGS else _options_key(*options),
     )
+
+
+_NO_OPTION_ARGS = (None, None, None, None)
+
+
+def _options_key(window, softcap, alibi_slopes, sinks):
+    """The plan-cache key of score-modification arguments (``_key``'s rules); AttributeError for arrays other
+    than torch tensors."""
+    def array(x):
+        return None if x is None else (x.__class__, x.dtype, x.shape, x.stride(), x.device)
+
+    window_key = window if window is None else (window.__class__, *((side.__class__, side) for side in window))
+    return window_key, softcap.__class__, softcap, array(alibi_slopes), array(sinks)
 
 
 def make_plan(problem, config=None, splits=1):
@@ -465,9 +494,16 @@ def planned(q, k, v, *, scale, config=None, splits=1):
     return make_plan(problem, config, splits), problem
 
 
-def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: float | None = None,
-              layout: str = "bhsd", return_lse: bool = False, out: Array | None = None) -> Array | tuple[Array, Array]:
+def attention(q: Array, k: Array, v: Array, *, causal: bool = False, window: tuple | None = None,
+              softcap: float | None = None, alibi_slopes: Array | None = None, sinks: Array | None = None,
+              scale: float | None = None, layout: str = "bhsd", return_lse: bool = False,
+              out: Array | None = None) -> Array | tuple[Array, Array]:
     """Fused softmax attention ``softmax(scale · q kᵀ) v`` with an online softmax.
+
+    With ``i`` a query's position among the keys (its index plus ``seqlen_kv - seqlen_q``, bottom-right
+    aligned) and ``j`` a key's, the score of ``(i, j)`` is ``s = scale · q_i · k_j``, then
+    ``c · tanh(s / c)`` with ``softcap=c``, then ``- slope · |i - j|`` with ``alibi_slopes``; keys outside
+    ``causal`` and ``window`` are masked, and ``sinks`` add ``exp(sink)`` to the softmax's denominator.
 
     Parameters
     ----------
@@ -479,14 +515,26 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
         query head ``h`` reads key/value head ``h // (num_heads_q // num_heads_kv)``.
     v : array, ``[batch, num_heads_kv, seqlen_kv, head_dim_v]`` in the same layout and dtype.
     causal : bool
-        Mask key ``j`` for query ``i`` when ``j > i + seqlen_kv - seqlen_q``
-        (bottom-right aligned). A query that sees no key returns 0.
+        Mask key ``j`` for query ``i`` when ``j > i`` (bottom-right aligned). A query that sees no key
+        returns 0.
+    window : ``(left, right)``, optional
+        Sliding window: query ``i`` sees key ``j`` iff ``i - left <= j <= i + right``; a side of ``None``
+        or ``-1`` is unbounded (flash-attn's ``window_size``); with ``causal`` the right side is 0. Key
+        tiles wholly outside the window are skipped, so the work goes with the visible area.
+    softcap : float, optional
+        Logit softcapping (Gemma 2, Grok): the scaled score ``s`` becomes ``softcap · tanh(s / softcap)``;
+        None or 0 for none.
+    alibi_slopes : float32 array ``[num_heads_q]`` or ``[batch, num_heads_q]``, optional
+        ALiBi: ``slope · |i - j|`` is subtracted from the score of head ``h`` (after the softcap).
+    sinks : float32 array ``[num_heads_q]``, optional
+        Attention sinks (gpt-oss): the logit of a learnable sink per head; the softmax's denominator
+        gains ``exp(sink)``, with no value row. The returned LSE includes it.
     scale : float, optional
         Softmax scale; ``1 / sqrt(head_dim)`` by default.
     layout : ``"bhsd"`` or ``"bshd"``
     return_lse : bool
-        Also return the natural-log log-sum-exp of the scaled scores per query,
-        float32 ``[batch, num_heads_q, seqlen_q]`` (``-inf`` for a query that sees no key).
+        Also return the natural-log log-sum-exp of the scores per query,
+        float32 ``[batch, num_heads_q, seqlen_q]`` (``-inf`` for a query that sees no key and has no sink).
     out : array, optional
         Destination with the output's shape and dtype, on q's device.
 
@@ -502,13 +550,15 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     ------
     TypeError
         Non-array arguments, unsupported or mixed dtypes, non-native byte order,
-        non-bool flags, a ``layout`` that is not a str.
+        non-bool flags, a ``layout`` that is not a str, a ``window`` that is not a pair of ints,
+        ALiBi slopes or sinks that are not float32.
     ValueError
         Wrong ranks, mismatched batch / heads / lengths / head dims, head dims
         over 256, zero-size dimensions, arrays on different devices, an unknown
         layout, ``out`` of the wrong shape or device, read-only or overlapping
-        itself, a ``scale`` beyond float32, or torch tensors that require grad
-        while torch records gradients (see ``numattn.torch.attention``).
+        itself, a ``scale`` beyond float32, a negative window side (other than -1), a softcap
+        that is not a finite positive number, slopes or sinks of the wrong shape or device, or torch
+        tensors that require grad while torch records gradients (see ``numattn.torch.attention``).
 
     Examples
     --------
@@ -519,16 +569,21 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, scale: floa
     >>> v = rng.standard_normal((1, 2, 8, 16), dtype=np.float32)
     >>> numattn.attention(q, k, v, causal=True).shape
     (1, 4, 8, 16)
+    >>> numattn.attention(q, k, v, causal=True, window=(3, 0), softcap=30.0).shape
+    (1, 4, 8, 16)
     """
     if _records_grad(q, k, v):
         raise ValueError(
             "q, k or v requires grad, and numattn.attention records no gradients: use "
             "numattn.torch.attention(q, k, v, causal=..., scale=...) for autograd, or call under torch.no_grad()")
+    options = (window, softcap, alibi_slopes, sinks)
     try:
-        plan = PLANS[_key(q, k, v, out, causal, scale, layout, return_lse)]
+        plan = PLANS[_key(q, k, v, out, causal, scale, layout, return_lse, options)]
     except (AttributeError, KeyError, TypeError):  # TypeError: an unhashable argument, which validation reports
-        plan, q, k, v, out = _slow_path(q, k, v, out, causal, scale, layout, return_lse)
-    return plan(q, k, v, out)
+        plan, q, k, v, out, alibi_slopes, sinks = _slow_path(q, k, v, out, causal, scale, layout, return_lse, options)
+    if alibi_slopes is None and sinks is None:
+        return plan(q, k, v, out)
+    return plan(q, k, v, out, alibi_slopes, sinks)
 
 
 def _records_grad(q, k, v):
@@ -562,14 +617,17 @@ def _tuned_or_default_plan(problem):
     return make_plan(problem)
 
 
-def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
-    """Validate and plan a call missing from the cache; cache the plan when the arguments allow."""
+def _slow_path(q, k, v, out, causal, scale, layout, return_lse, options):
+    """Validate and plan a call missing from the cache; cache the plan when the arguments allow. Returns the
+    plan and the arrays it takes, ``(plan, q, k, v, out, alibi_slopes, sinks)``."""
     try:
-        key = _key(q, k, v, out, causal, scale, layout, return_lse)
+        key = _key(q, k, v, out, causal, scale, layout, return_lse, options)
     except AttributeError:  # not all torch tensors
+        window, softcap, alibi_slopes, sinks = options
         try:
-            key = ("attention", *map(array_signature, (q, k, v, out)), causal.__class__, causal, scale.__class__,
-                   scale, layout, return_lse.__class__, return_lse)
+            key = ("attention", *map(array_signature, (q, k, v, out, alibi_slopes, sinks)), causal.__class__, causal,
+                   scale.__class__, scale, layout, return_lse.__class__, return_lse, window, softcap.__class__,
+                   softcap)
         except TypeError:  # arrays of other libraries: validated and planned on every call
             key = None
     try:
@@ -577,9 +635,11 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse):
     except TypeError:
         key = None
     plan = PLANS.get(key) if key is not None else None
+    window, softcap, alibi_slopes, sinks = options
+    q, k, v, out, alibi_slopes, sinks = (from_dlpack(x) for x in (q, k, v, out, alibi_slopes, sinks))
     if plan is None:
-        q, k, v, out = (from_dlpack(x) for x in (q, k, v, out))
-        plan = _tuned_or_default_plan(validate(q, k, v, out, causal, scale, layout, return_lse))
+        problem = validate(q, k, v, out, causal, scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
+        plan = _tuned_or_default_plan(problem)
         if key is not None:
             PLANS.store(key, plan)
-    return plan, q, k, v, out
+    return plan, q, k, v, out, alibi_slopes, sinks

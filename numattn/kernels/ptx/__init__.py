@@ -73,6 +73,7 @@ from .mma import (  # noqa: F401
 from .warp import (  # noqa: F401
     ballot,
     ex2_approx,
+    rcp_approx,
     shfl_xor_f32,
     syncwarp,
 )

@@ -1,4 +1,4 @@
-"""Special functions and warp-level primitives: ex2, shuffles, syncwarp, ballot."""
+"""Special functions and warp-level primitives: ex2, rcp, shuffles, syncwarp, ballot."""
 
 import numpy as np
 from numba import types
@@ -18,6 +18,15 @@ def ex2_approx(x):
 
 
 _bind(ex2_approx, _asm_intrinsic("ex2.approx.ftz.f32 $0, $1;", "=f,f", _f32, types.float32(types.float32)))
+
+
+def rcp_approx(x):
+    """``rcp_approx(x) -> float32``: 1 / x. Emits ``rcp.approx.ftz.f32`` (within 1 ulp; inf gives 0, 0 gives inf)."""
+    with np.errstate(divide="ignore"):
+        return np.float32(np.float32(1.0) / np.float32(x))
+
+
+_bind(rcp_approx, _asm_intrinsic("rcp.approx.ftz.f32 $0, $1;", "=f,f", _f32, types.float32(types.float32)))
 
 
 def shfl_xor_f32(x, lane_mask):

@@ -1,0 +1,136 @@
+"""Attention variants on one GPU: numattn's sliding window, softcap, ALiBi and sinks against FlexAttention.
+
+    python benchmarks/variants.py [--json PATH] [--no-flex]
+
+Forward passes, bf16, default arguments, on fresh random inputs; each timed as the median of CUDA-event
+timings with the L2 cache flushed, after the GPU's clocks are warmed, the contenders in turns over five
+rounds.
+
+* Window scaling: B1 H16 L32768 D128, causal against causal with a window of 4096 keys to the left; the
+  window's time over the causal time, against the fraction of (query, key) pairs it keeps visible (the
+  target: at most 1.15 times that fraction).
+* Against FlexAttention (``torch.compile(flex_attention)`` with a block mask, same shapes) at
+  B4 H16 L8192 D128: causal; causal with a window of 1024; causal with softcap 30; causal with ALiBi;
+  causal with sinks (numattn only: FlexAttention has no sinks). The best SDPA backend's causal time
+  (cuDNN included) is given for scale.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def rows_of_pairs(seqlen, left):
+    """The (query, key) pairs a causal window of ``left`` keys keeps visible, over those of causal masking."""
+    visible = sum(min(i, left) + 1 for i in range(seqlen))
+    return visible / (seqlen * (seqlen + 1) / 2)
+
+
+def timed_in_turns(torch, calls, rounds=5):
+    """``{name: median ms}`` of ``cuda_time_ms`` of each of ``calls``, the calls taking turns round by round."""
+    from numattn.bench import cuda_time_ms, warm_clocks
+
+    warm_clocks(torch, 2.0)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(cuda_time_ms(call, repeat=10))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def flex_calls(torch, q, k, v, slopes):
+    """FlexAttention's calls of the comparison's cases, compiled once each (``{case: call}``)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    seqlen = q.shape[2]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 1024)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    masks = {mask: create_block_mask(mask, None, None, seqlen, seqlen) for mask in (causal, window)}
+    return {
+        "causal": lambda: flex(q, k, v, block_mask=masks[causal]),
+        "causal, window 1024": lambda: flex(q, k, v, block_mask=masks[window]),
+        "causal, softcap 30": lambda: flex(q, k, v, score_mod=softcap, block_mask=masks[causal]),
+        "causal, ALiBi": lambda: flex(q, k, v, score_mod=alibi, block_mask=masks[causal]),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows and the run's facts to this file")
+    parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import numattn
+    from numattn.bench import backend_context, cuda_time_ms, run_facts, sdpa_backends_taking
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    rows = []
+    q, k, v = (rnd(1, 16, 32768, 128) for _ in range(3))
+    scaling = timed_in_turns(torch, {
+        "causal": lambda: numattn.attention(q, k, v, causal=True),
+        "causal, window 4096": lambda: numattn.attention(q, k, v, causal=True, window=(4096, 0)),
+    })
+    fraction = rows_of_pairs(32768, 4096)
+    ratio = scaling["causal, window 4096"] / scaling["causal"]
+    rows.append({"case": "B1 H16 L32768 D128 bf16, window 4096 against causal", "causal_ms": scaling["causal"],
+                 "window_ms": scaling["causal, window 4096"], "visible_fraction": fraction, "time_ratio": ratio,
+                 "ratio_over_fraction": ratio / fraction})
+    print(f"window 4096 at L32768: {scaling['causal, window 4096']:.3f} ms, causal {scaling['causal']:.3f} ms: "
+          f"{ratio:.3f} of the time for {fraction:.3f} of the pairs ({ratio / fraction:.2f}x)", flush=True)
+    del q, k, v
+
+    q, k, v = (rnd(4, 16, 8192, 128) for _ in range(3))
+    slopes = torch.rand(16, device="cuda", dtype=torch.float32) * 0.1
+    sinks = torch.randn(16, device="cuda", dtype=torch.float32)
+    cases = {
+        "causal": dict(causal=True),
+        "causal, window 1024": dict(causal=True, window=(1024, 0)),
+        "causal, softcap 30": dict(causal=True, softcap=30.0),
+        "causal, ALiBi": dict(causal=True, alibi_slopes=slopes),
+        "causal, sinks": dict(causal=True, sinks=sinks),
+    }
+    contenders = {f"numattn {case}": (lambda options=options: numattn.attention(q, k, v, **options))
+                  for case, options in cases.items()}
+    if not args.no_flex:
+        contenders.update({f"flex {case}": call for case, call in flex_calls(torch, q, k, v, slopes).items()})
+    for call in contenders.values():  # compiled outside the timed turns
+        call()
+    times = timed_in_turns(torch, contenders)
+    sdpa = {}
+    for name in sdpa_backends_taking(torch, q, k, v, is_causal=True):
+        with backend_context(name):
+            sdpa[name] = cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    best = min(sdpa, key=sdpa.get)
+    print(f"best SDPA causal: {best} {sdpa[best]:.3f} ms", flush=True)
+    for case in cases:
+        row = {"case": f"B4 H16 L8192 D128 bf16, {case}", "numattn_ms": times[f"numattn {case}"],
+               "flex_ms": times.get(f"flex {case}"), "sdpa_causal_ms": sdpa[best], "sdpa_backend": best}
+        row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
+        rows.append(row)
+        flex = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
+        print(f"{case:22} numattn {row['numattn_ms']:.3f} ms   {flex}", flush=True)
+    if args.json:
+        facts = dict(run_facts(torch), command=" ".join(["python", "benchmarks/variants.py", *sys.argv[1:]]))
+        Path(args.json).write_text(json.dumps({"run": facts, "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Sliding window, logit softcap, ALiBi and attention sinks in ``numattn.attention``: the CPU path and every
+GPU kernel (in the simulator) against the float64 reference, the tiles a window skips, and the errors."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import reference
+
+from conftest import ATOL
+from helpers import as_dtype, max_error, random_qkv
+
+
+def per_head(rng, heads, low=0.01, high=0.5, batch=None):
+    shape = (heads,) if batch is None else (batch, heads)
+    return rng.uniform(low, high, shape).astype(np.float32)
+
+
+def check(o, lse, q, k, v, atol, **options):
+    ref_o, ref_lse = reference.attention(q, k, v, return_lse=True, **options)
+    assert max_error(o, ref_o) <= atol, options
+    no_key = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), no_key)
+    assert np.abs(np.where(no_key, 0.0, lse - ref_lse)).max() <= 1e-5 * (1 + np.abs(ref_lse[~no_key]).max())
+
+
+def test_cpu_path_every_combination(rng):
+    """The CPU path (float32) with each window, softcap, kind of ALiBi slopes and sinks, causal or not, GQA,
+    more keys than queries."""
+    q, k, v = random_qkv(rng, 2, 4, 2, 37, 53, 32)
+    slopes, batch_slopes, sinks = per_head(rng, 4), per_head(rng, 4, batch=2), rng.standard_normal(4, np.float32)
+    windows = (None, (0, 0), (1, -1), (7, 3), (127, None), (100, 100), (-1, 5))
+    with numattn.simulate(False):
+        for causal, window, softcap, alibi, sink in itertools.product(
+                (False, True), windows, (None, 3.0), (None, slopes, batch_slopes), (None, sinks)):
+            options = dict(causal=causal, window=window, softcap=softcap, alibi_slopes=alibi, sinks=sink)
+            o, lse = numattn.attention(q, k, v, return_lse=True, **options)
+            check(o, lse, q, k, v, 1e-5, **options)
+
+
+OPTION_SETS = [
+    dict(causal=True, window=(5, -1)),
+    dict(window=(3, 8), softcap=2.0),
+    dict(causal=True, alibi=True, sinks=True),
+    dict(window=(0, 0), softcap=5.0, alibi=True, sinks=True),
+]
+
+
+def kernels():
+    from numattn.configs.attention import MmaConfig, WgmmaConfig
+
+    return {
+        "wgmma": (WgmmaConfig(block_n=16, warpgroups=1, stages=2), 1, "float16"),
+        "mma": (MmaConfig(block_n=16, num_warps=2), 1, "bfloat16"),
+        "mma-3-splits": (MmaConfig(block_n=16, num_warps=2), 3, "float16"),
+        "simt": (None, 1, "float32"),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "mma-3-splits", "simt"])
+def test_gpu_kernels_in_the_simulator(rng, kernel):
+    """Each GPU kernel family (the wgmma, mma.sync with and without key splits, CUDA-core) with the options,
+    alone and together, in the simulator."""
+    from numattn.ops.attention import make_plan, validate
+
+    config, splits, dtype = kernels()[kernel]
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 45, 70, 64), dtype)
+    for options in OPTION_SETS:
+        alibi = per_head(rng, 2) if options.get("alibi") else None
+        sinks = (rng.standard_normal(2, np.float32) + 2) if options.get("sinks") else None
+        causal, window, softcap = options.get("causal", False), options.get("window"), options.get("softcap")
+        problem = validate(q, k, v, None, causal, None, "bhsd", True, window, softcap, alibi, sinks)
+        o, lse = make_plan(problem, config, splits)(q, k, v, None, alibi, sinks)
+        check(o, lse, q, k, v, ATOL[dtype], causal=causal, window=window, softcap=softcap, alibi_slopes=alibi,
+              sinks=sinks)
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["simulator", "cpu"])
+def test_tiles_outside_the_window_are_never_read(rng, cpu, fresh_plans):
+    """Values of keys far left of every query's window are NaN: a kernel that read their tile (P = 0 times NaN)
+    would return NaN. Queries see keys 144 and on (256 keys, 96 queries, a window of 16 to the left)."""
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 2, 96, 256, 64), "float16")
+    v[:, :, :64] = np.nan
+    with numattn.simulate(not cpu):
+        o = numattn.attention(q, k, v, causal=True, window=(16, 0))
+    assert np.isfinite(o).all()
+    ref_o = reference.attention(q, k, np.nan_to_num(v), causal=True, window=(16, 0))  # unseen values as 0
+    assert max_error(o, ref_o) <= ATOL["float16"]
+
+
+def test_rows_that_see_no_key(rng):
+    """More queries than keys under causal masking: the first rows see no key, so they return 0 and an LSE of
+    -inf, or the sink's logit with sinks; a window of 0 keys to each side sees only the diagonal."""
+    q, k, v = random_qkv(rng, 1, 2, 1, 20, 8, 16)
+    sinks = np.array([0.5, -1.0], np.float32)
+    o, lse = numattn.attention(q, k, v, causal=True, window=(0, 0), sinks=sinks, return_lse=True)
+    np.testing.assert_array_equal(o[:, :, :12], 0.0)
+    np.testing.assert_allclose(lse[0, :, :12], np.repeat(sinks[:, None], 12, axis=1))
+    check(o, lse, q, k, v, ATOL["float32"], causal=True, window=(0, 0), sinks=sinks)
+
+
+def test_a_window_wider_than_the_sequence_changes_nothing(rng):
+    q, k, v = random_qkv(rng, 1, 2, 1, 30, 30, 16)
+    plain = numattn.attention(q, k, v, causal=True)
+    windowed = numattn.attention(q, k, v, causal=True, window=(1000, 1000))
+    np.testing.assert_allclose(windowed, plain, atol=1e-6)
+
+
+def test_plans_of_torch_tensors_keep_their_options_apart(rng, fresh_plans):
+    """Cached plans are keyed by the options: calls that differ only in the window, the softcap or whether
+    there are sinks get their own results."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in random_qkv(rng, 1, 2, 1, 24, 24, 16))
+    sinks = torch.tensor([1.0, 2.0])
+    for options in (dict(window=(2, 0)), dict(window=(5, 0)), dict(softcap=1.0), dict(softcap=1.0, sinks=sinks),
+                    dict()):
+        for _ in range(2):  # planned, then from the cache
+            o = numattn.attention(q, k, v, causal=True, **options)
+            ref_o = reference.attention(q, k, v, causal=True, **options)
+            assert max_error(o, ref_o) <= ATOL["float32"], options
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(window=5), TypeError, "window must be None or a pair"),
+    (dict(window=(1, 2, 3)), TypeError, "window must be None or a pair"),
+    (dict(window=(1.5, 0)), TypeError, "window's left side must be an int or None, got float"),
+    (dict(window=(True, 0)), TypeError, "window's left side must be an int"),
+    (dict(window=(0, -2)), ValueError, "window's right side must be >= 0, or -1 or None"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite positive number"),
+    (dict(softcap=float("nan")), ValueError, "softcap must be a finite positive number"),
+    (dict(softcap="30"), TypeError, "softcap must be a real number or None, got str"),
+    (dict(alibi_slopes=np.ones(2, np.float64)), TypeError, "alibi_slopes must be float32, got float64"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
+    (dict(sinks=np.ones((2, 4), np.float32)), ValueError, r"sinks must have shape \(4,\), got \(2, 4\)"),
+    (dict(sinks=[1.0, 2.0, 3.0, 4.0]), TypeError, "sinks"),
+])
+def test_bad_options_name_the_argument(rng, options, error, match):
+    q, k, v = random_qkv(rng, 2, 4, 2, 8, 8, 16)
+    with pytest.raises(error, match=match):
+        numattn.attention(q, k, v, **options)
+
+
+def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sinks):
+    """The same attention computed by torch in the inputs' dtype (scores, softcap, bias and P rounded to it):
+    the error of an ordinary low-precision implementation, which flash-attn's tests allow twice of."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    sq, sk = q.shape[2], k.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        scores = scores - (alibi_slopes[..., None, None] * (i - j).abs()).to(q.dtype)
+    left, right = window or (-1, -1)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal or right not in (None, -1):
+        visible &= j <= i + (0 if causal else right)
+    if left not in (None, -1):
+        visible &= j >= i - left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(q.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num()
+    return p[..., :sk] @ v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, shape", [
+    ("bfloat16", (2, 8, 2, 1000, 1000, 128)),
+    ("float16", (1, 4, 4, 333, 777, 64)),
+    ("float16", (1, 4, 2, 300, 300, 96)),
+    ("bfloat16", (1, 2, 1, 200, 150, 256)),
+    ("float32", (1, 2, 1, 200, 150, 40)),
+], ids=["bf16-d128-gqa", "fp16-d64-longer-keys", "fp16-d96", "bf16-d256-fewer-keys", "fp32-d40"])
+def test_on_gpu_against_float64_and_low_precision(rng, dtype, shape):
+    """Every option, windows of 0, 1, 127 keys and wider than the sequence, on the GPU's kernels (wgmma for
+    head dims multiples of 64 on sm_90, mma.sync for 96, CUDA cores for float32, and the mma.sync kernel with
+    its keys split, merged in clusters on sm_90): within twice the error of the same computation in the low
+    precision, plus one unit in the last place of the largest output."""
+    import torch
+
+    from numattn.configs.attention import MmaConfig
+    from numattn.ops.attention import make_plan, validate
+
+    batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim = shape
+    q, k, v = (t.cuda() for t in as_dtype(random_qkv(rng, batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim),
+                                          dtype, "torch"))
+    slopes = torch.from_numpy(per_head(rng, heads_q, batch=batch)).cuda()
+    sinks = torch.from_numpy(rng.standard_normal(heads_q, np.float32)).cuda()
+    option_sets = [dict(causal=True, window=(0, 0)), dict(window=(1, 1)), dict(causal=True, window=(127, 0)),
+                   dict(causal=True, window=(5000, None)), dict(softcap=5.0, causal=True),
+                   dict(alibi_slopes=slopes), dict(sinks=sinks, causal=True),
+                   dict(causal=True, window=(127, 0), softcap=30.0, alibi_slopes=slopes[0], sinks=sinks)]
+    for options in option_sets:
+        options = dict(dict(causal=False, window=None, softcap=None, alibi_slopes=None, sinks=None), **options)
+        ref_o = reference.attention(q, k, v, **options)
+        low_error = max_error(low_precision_reference(q, k, v, **options).float(), ref_o)
+        ulp = float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
+        runs = [numattn.attention(q, k, v, **options)]
+        if dtype != "float32" and head_dim <= 128:
+            problem = validate(q, k, v, None, options["causal"], None, "bhsd", False, options["window"],
+                               options["softcap"], options["alibi_slopes"], options["sinks"])
+            runs.append(make_plan(problem, MmaConfig(64, 4, 1, True), 3)(q, k, v, None, options["alibi_slopes"],
+                                                                        options["sinks"]))
+        for o in runs:
+            assert max_error(o, ref_o) <= 2 * low_error + ulp + 1e-6, (options, max_error(o, ref_o), low_error)
