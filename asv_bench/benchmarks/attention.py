@@ -45,6 +45,28 @@ class AttentionForward:
     track_numattn_ms.unit = track_sdpa_ms.unit = "ms"
 
 
+class AttentionVariants:
+    """Causal bf16 attention with each score modification (``benchmarks/variants.py`` compares them with
+    FlexAttention): the cost of each against plain causal attention."""
+
+    params = (["causal", "window 1024", "softcap 30", "alibi", "sinks"],)
+    param_names = ["variant"]
+    unit = "ms"
+
+    def setup(self, variant):
+        torch = _cuda_torch()
+        self.q, self.k, self.v = (torch.randn(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        heads = torch.rand(16, device="cuda", dtype=torch.float32)
+        self.options = {"causal": {}, "window 1024": {"window": (1024, 0)}, "softcap 30": {"softcap": 30.0},
+                        "alibi": {"alibi_slopes": heads * 0.1}, "sinks": {"sinks": heads}}[variant]
+        numattn.attention(self.q, self.k, self.v, causal=True, **self.options)  # compile outside the timing
+
+    def track_numattn_ms(self, variant):
+        return cuda_time_ms(lambda: numattn.attention(self.q, self.k, self.v, causal=True, **self.options))
+
+    track_numattn_ms.unit = "ms"
+
+
 class LaunchOverhead:
     """Host time of one call on tiny inputs: the launcher's overhead."""
 
