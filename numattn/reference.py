@@ -70,8 +70,10 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return o, np.where(seen[..., 0], lse, -np.inf)
 
 
-def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
-    """``numattn.decode`` in float64: each sequence's new tokens against its first ``seqlens[b]`` keys."""
+def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
+           layout="bhsd", return_lse=False):
+    """``numattn.decode`` in float64: each sequence's new tokens against its first ``seqlens[b]`` keys, with the
+    score modifications of ``attention``."""
     axes = _LAYOUT_AXES[layout]
     q = to_float64(q)
     squeezed = q.ndim == 3
@@ -79,10 +81,12 @@ def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", retu
     k, v = (to_float64(x).transpose(axes) for x in (k_cache, v_cache))
     lengths = [k.shape[2]] * k.shape[0] if seqlens is None else [int(n) for n in to_float64(seqlens)]
     return _per_sequence(q, [k[b, :, :n] for b, n in enumerate(lengths)], [v[b, :, :n] for b, n in enumerate(lengths)],
-                         scale, return_lse, squeezed, axes)
+                         scale, return_lse, squeezed, axes, dict(window=window, softcap=softcap,
+                                                                 alibi_slopes=alibi_slopes, sinks=sinks))
 
 
-def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, window=None, softcap=None, alibi_slopes=None,
+                 sinks=None, kv_layout="nhd", return_lse=False):
     """``numattn.paged_decode`` in float64: gathers each sequence's keys from its pages."""
     q = to_float64(q)
     squeezed = q.ndim == 3
@@ -97,7 +101,8 @@ def paged_decode(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_lay
         pages = table[b, : -(-n // page_size)]
         keys.append(np.concatenate([k[p] for p in pages], axis=1)[:, :n] if n else k[0, :, :0])
         values.append(np.concatenate([v[p] for p in pages], axis=1)[:, :n] if n else v[0, :, :0])
-    return _per_sequence(q, keys, values, scale, return_lse, squeezed, (0, 1, 2, 3))
+    return _per_sequence(q, keys, values, scale, return_lse, squeezed, (0, 1, 2, 3),
+                         dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks))
 
 
 def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):
@@ -110,16 +115,24 @@ def mla_decode(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale
     return (o, lse[:, :, 0]) if return_lse else o
 
 
-def _per_sequence(q, keys, values, scale, return_lse, squeezed, axes):
-    """Causal (bottom-right) attention of ``q[b]`` ``[Hq, Sq, D]`` over ``keys[b]`` ``[Hkv, n, D]``."""
+def _per_sequence(q, keys, values, scale, return_lse, squeezed, axes, options=None):
+    """Causal (bottom-right) attention of ``q[b]`` ``[Hq, Sq, D]`` over ``keys[b]`` ``[Hkv, n, D]``, with the score
+    modifications ``options`` (``attention``'s keywords)."""
+    options = dict(options or {})
     batch, heads_q, seqlen_q = q.shape[:3]
     head_dim_v = values[0].shape[-1]
+    slopes = options.pop("alibi_slopes", None)
+    slopes = None if slopes is None else np.broadcast_to(to_float64(slopes), (batch, heads_q))
+    sinks = options.get("sinks")
     o = np.zeros((batch, heads_q, seqlen_q, head_dim_v))
     lse = np.full((batch, heads_q, seqlen_q), -np.inf)
+    if sinks is not None:  # a sequence without keys: only the sink
+        lse[:] = to_float64(sinks)[None, :, None]
     for b in range(batch):
         if keys[b].shape[1]:
             o_b, lse_b = attention(q[b : b + 1], keys[b][None], values[b][None], causal=True, scale=scale,
-                                   return_lse=True)
+                                   alibi_slopes=None if slopes is None else slopes[b : b + 1], return_lse=True,
+                                   **options)
             o[b], lse[b] = o_b[0], lse_b[0]
     o = o[:, :, 0] if squeezed else o.transpose(np.argsort(axes))
     if not return_lse:

@@ -59,7 +59,7 @@ _U16, _F32, _I32, _U16_3 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4
 # split launches: partial outputs [.., S, Dv] and log2-sum-exps, the last-block tickets, the scale
 SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), _I32,
                    types.float32)
-DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:])
+DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:], *MOD_SIGNATURE)
 ATTENTION_SPLIT_SIGNATURE = SPLIT_SIGNATURE + MOD_SIGNATURE
 
 
@@ -119,6 +119,8 @@ def variants():
     # a paged cache: page indices copied into shared memory tiles ahead of their keys
     yield ("paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, ring[2], paged=True, has_seqlens=True,
                                                  split=False, write_lse=False), DECODE_SIGNATURE)
+    yield ("paged-decode-mma-mods", decode_mma_kernel("bfloat16", 128, 128, 8, 1, ring[2], paged=True, has_seqlens=True,
+                                                      split=False, write_lse=False, mods=EVERY_MOD), DECODE_SIGNATURE)
 
 
 def training_and_mla_variants():

@@ -142,6 +142,71 @@ def test_bad_options_name_the_argument(rng, options, error, match):
         numattn.attention(q, k, v, **options)
 
 
+def decode_inputs(rng, dtype, seqlen_q=1, batch=3, heads_q=4, heads_kv=2, capacity=90, head_dim=64):
+    q = rng.standard_normal((batch, heads_q, seqlen_q, head_dim), dtype=np.float32).astype(dtype)
+    k, v = (rng.standard_normal((batch, heads_kv, capacity, head_dim), dtype=np.float32).astype(dtype)
+            for _ in range(2))
+    lengths = np.array([capacity, 37, 0][:batch], np.int32)
+    return q, k, v, lengths
+
+
+DECODE_OPTION_SETS = [
+    dict(window=(20, None)),
+    dict(softcap=3.0),
+    dict(alibi=True, sinks=True),
+    dict(window=(5, 0), softcap=2.0, alibi=True, sinks=True),
+]
+
+
+def decode_options(rng, options, batch=3, heads_q=4):
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = per_head(rng, heads_q, batch=batch)
+    if options.pop("sinks", False):
+        options["sinks"] = rng.standard_normal(heads_q, np.float32)
+    return options
+
+
+@pytest.mark.parametrize("kernel, key_splits", [("cpu", 1), ("simt", 1), ("simt", 3), ("mma", 1), ("mma", 3)])
+def test_decode_with_options(rng, splits, kernel, key_splits):
+    """``decode`` and ``paged_decode`` with each option set, one and two new tokens (a window counts back from
+    each token), a sequence of 0 keys (its rows return 0 and the sink's logit): the CPU path, and in the
+    simulator the CUDA-core kernel (float32) and the tensor-core kernel (float16), with the keys split or not."""
+    from numattn.bench import paged_copy
+
+    splits(key_splits)
+    dtype = "float16" if kernel == "mma" else "float32"
+    for seqlen_q in (1, 2):
+        q, k, v, lengths = decode_inputs(rng, dtype, seqlen_q)
+        # the simulator runs the CUDA-core kernel's rows slowly: two new tokens on the other paths only
+        for options in DECODE_OPTION_SETS if seqlen_q == 1 else [] if kernel == "simt" else DECODE_OPTION_SETS[-1:]:
+            options = decode_options(rng, options)
+            with numattn.simulate(kernel != "cpu"):
+                o, lse = numattn.decode(q, k, v, seqlens=lengths, return_lse=True, **options)
+            ref_o, ref_lse = reference.decode(q, k, v, seqlens=lengths, return_lse=True, **options)
+            assert max_error(o, ref_o) <= ATOL[dtype], options
+            np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+    torch = pytest.importorskip("torch")
+    k_pages, v_pages, table = paged_copy(torch, torch.from_numpy(k), torch.from_numpy(v), 16)
+    with numattn.simulate(kernel != "cpu"):
+        o = numattn.paged_decode(q, k_pages.numpy(), v_pages.numpy(), table.numpy(), lengths, **options)
+    assert max_error(o, reference.decode(q, k, v, seqlens=lengths, **options)) <= ATOL[dtype]
+
+
+def test_decode_plan_binds_the_slopes_and_sinks(rng):
+    """A decode plan holds its ALiBi slopes and sinks like its caches: values changed in place are read."""
+    q, k, v, lengths = decode_inputs(rng, "float32")
+    slopes, sinks = per_head(rng, 4), rng.standard_normal(4, np.float32)
+    step = numattn.decode_plan(q[:, :, 0], k, v, seqlens=lengths, window=(30, None), alibi_slopes=slopes, sinks=sinks)
+    for _ in range(2):
+        with numattn.simulate(False):
+            o = step(q[:, :, 0])
+        ref_o = reference.decode(q[:, :, 0], k, v, seqlens=lengths, window=(30, None), alibi_slopes=slopes, sinks=sinks)
+        assert max_error(o, ref_o) <= ATOL["float32"]
+        slopes *= 2
+        sinks += 1
+
+
 def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sinks):
     """The same attention computed by torch in the inputs' dtype (scores, softcap, bias and P rounded to it):
     the error of an ordinary low-precision implementation, which flash-attn's tests allow twice of."""
@@ -211,3 +276,34 @@ def test_on_gpu_against_float64_and_low_precision(rng, dtype, shape):
                                                                         options["sinks"]))
         for o in runs:
             assert max_error(o, ref_o) <= 2 * low_error + ulp + 1e-6, (options, max_error(o, ref_o), low_error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_on_gpu_with_options(rng, dtype):
+    """Decode at a realistic size on the GPU (the tensor-core kernel in bf16, the CUDA-core one in float32, the
+    keys split as the heuristic chooses) with each option set, one and four new tokens, contiguous and paged
+    caches, and a decode plan; sequences of 0, 1 and thousands of keys."""
+    import torch
+
+    from numattn.bench import paged_copy
+
+    batch, heads_q, heads_kv, capacity, head_dim = 4, 32, 8, 3000, 128
+    tdtype = getattr(torch, dtype)
+    k, v = (torch.randn(batch, heads_kv, capacity, head_dim, device="cuda", dtype=tdtype) for _ in range(2))
+    lengths = torch.tensor([3000, 0, 1, 1777], dtype=torch.int32, device="cuda")
+    k_pages, v_pages, table = paged_copy(torch, k, v, 16)
+    for seqlen_q in (1, 4):
+        q = torch.randn(batch, heads_q, seqlen_q, head_dim, device="cuda", dtype=tdtype)
+        for options in DECODE_OPTION_SETS + [dict(window=(1000, None), sinks=True)]:
+            options = decode_options(rng, options, batch, heads_q)
+            options = {name: torch.from_numpy(x).cuda() if isinstance(x, np.ndarray) else x
+                       for name, x in options.items()}
+            ref_o, ref_lse = reference.decode(q, k, v, seqlens=lengths, return_lse=True, **options)
+            o, lse = numattn.decode(q, k, v, seqlens=lengths, return_lse=True, **options)
+            assert max_error(o, ref_o) <= ATOL[dtype], options
+            np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=1e-4)
+            paged = numattn.paged_decode(q, k_pages, v_pages, table, lengths, **options)
+            assert max_error(paged, ref_o) <= ATOL[dtype], options
+            planned = numattn.decode_plan(q, k, v, seqlens=lengths, **options)(q)
+            assert max_error(planned, ref_o) <= ATOL[dtype], options

@@ -465,7 +465,8 @@ def attention_backward(q, k, v, o, lse, do, scale, causal):
     return dq, dk, dv
 
 
-def paged_decode(q, k_pages, v_pages, page_table, seqlens, scale):
+def paged_decode(q, k_pages, v_pages, page_table, seqlens, scale, window=None, softcap=None, alibi_slopes=None,
+                 sinks=None):
     """Attention of each sequence's ``seqlen_q`` new tokens over its paged KV cache.
 
     ``q`` ``[batch, heads_q, seqlen_q, head_dim]``; ``k_pages`` ``[num_pages, heads_kv, page_size, head_dim]``,
@@ -476,12 +477,16 @@ def paged_decode(q, k_pages, v_pages, page_table, seqlens, scale):
     ``page_size = max_seqlen`` with ``page_table[b, 0] = b``. Page indices are clamped into
     ``[0, num_pages)`` and lengths into ``[0, max_pages · page_size]``.
 
+    The score modifications as ``attention_forward`` takes them (the window's right side is 0).
+
     Returns float32 ``o`` ``[batch, heads_q, seqlen_q, head_dim_v]`` and ``lse`` ``[batch, heads_q, seqlen_q]``
-    (``o = 0``, ``lse = -inf`` for a token that sees no key).
+    (``o = 0``, ``lse = -inf`` for a token that sees no key, or the sink's logit with ``sinks``).
     """
     q, k_pages, v_pages = _host(q), _host(k_pages), _host(v_pages)
     page_table, seqlens = (_host(x, np.int32) for x in (page_table, seqlens))
-    return _paged_attention(q, _no_dims(q), k_pages, _no_dims(k_pages), v_pages, page_table, seqlens, scale, True)
+    left = _NO_BOUND if window is None else window[0]
+    return _paged_attention(q, _no_dims(q), k_pages, _no_dims(k_pages), v_pages, page_table, seqlens, scale, True,
+                            (left, 0, softcap or 0.0), alibi_slopes, sinks)
 
 
 def mla_decode(q_nope, q_pe, ckv, kpe, page_table, seqlens, scale):

@@ -34,7 +34,7 @@ import numpy as np
 from numba import float32, int32, uint16, uint32
 
 from .._cuda import cuda
-from .constants import LN2_F32
+from .constants import LN2_F32, LOG2E_F32
 from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
 from .online_softmax import softmax_steps
 from .ptx import (
@@ -55,6 +55,7 @@ from .ptx import (
     unpack_bf16x2,
     unpack_f16x2,
 )
+from .score_mods import NO_MODS, softcapped
 from .split_merge import last_to_finish, release_counter, split_merger
 from .tiles import NARROW, WIDEN, swizzled_rows, tile_col, tile_row_elems, tile_view
 
@@ -62,6 +63,7 @@ NUM_THREADS = 128
 WARPS = NUM_THREADS // 32
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
 _REGISTER_FLOATS = 32  # per lane and row: query and accumulator entries kept in registers
 UNROLL = 4  # keys per lane group whose loads are in flight together
 
@@ -145,11 +147,29 @@ def _finisher(dtype, head_dim_v, group, seqlen_q, rows, split, write_lse):
     return finish
 
 
+@cuda.jit(device=True, forceinline=True)
+def split_keys(seqlen, seqlen_q, window, left, split, splits):
+    """``(start, end)``: the keys of ``split`` of ``splits`` equal runs of the keys some new token sees,
+    all ``seqlen`` of them or, with a ``window`` of ``left`` keys, those from the first token's first."""
+    first = max(0, seqlen - seqlen_q - left) if window else 0
+    per_split = -(-(seqlen - first) // splits)
+    start = first + split * per_split
+    return start, min(seqlen, start + per_split)
+
+
+@cuda.jit(device=True, forceinline=True)
+def row_terms(alibi, sinks, b, h, alibi_used, sinks_used):
+    """A query head's ALiBi slope and sink logit in the log2 domain (0 where unused)."""
+    return alibi[b, h] * LOG2E_F32 if alibi_used else _ZERO, sinks[h] * LOG2E_F32 if sinks_used else _ZERO
+
+
 @functools.lru_cache(maxsize=None)
 def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged, has_seqlens, split, write_lse,
-                  vector_loads):
-    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2)``
-    taking ``config.rows`` query rows per block (``configs/decode.py: DecodeConfig``).
+                  vector_loads, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2, alibi,
+    sinks, left, right, cap_log2, cap_slope)`` taking ``config.rows`` query rows per block
+    (``configs/decode.py: DecodeConfig``); the score modifications ``mods`` as ``score_mods.py`` says (the
+    window's right side is the causal one: 0).
 
     q ``[B, Hq, Sq, D]``, o ``[B, Hq, Sq, Dv]`` (storage dtype: 16-bit floats as
     uint16), k ``[pages, Hkv, page_size, D]``, v alike with Dv, page_table
@@ -179,6 +199,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
     unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
     widen = WIDEN[dtype]
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, ROWS, split, write_lse)
+    WINDOW, SOFTCAP, ALIBI, SINKS = mods.window, mods.softcap, mods.alibi, mods.sinks
 
     @cuda.jit(device=True, forceinline=True)
     def fetch(src, page, h, pos, sub, n_chunks, per_lane, words, u):
@@ -221,8 +242,9 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
         return ex2_approx(m - m_new), ex2_approx(m_other - m_new), m_new
 
     @cuda.jit(device=True, forceinline=True)
-    def update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc):
-        """Fold key ``t`` (this lane group's; ignored unless ``valid``) into every row's online softmax."""
+    def update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc, slopes, terms):
+        """Fold key ``t`` (this lane group's; ignored unless ``valid``) into every row's online softmax;
+        ``slopes`` the rows' ALiBi slopes, ``terms`` ``(left, right, cap_log2, cap_slope)``."""
         for r in range(ROWS):
             score = _ZERO
             for x in range(QW):
@@ -231,7 +253,13 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
             while offset > 0:
                 score += shfl_xor_f32(score, offset)
                 offset //= 2
-            if valid and (SQ == 1 or t <= seqlen - SQ + (row0 + r) % SQ):  # causal among the new tokens
+            position = seqlen - SQ + (row0 + r) % SQ
+            if SOFTCAP:
+                score = softcapped(score, terms[2], terms[3])
+            if ALIBI:
+                score -= slopes[r] * float32(position - t)
+            if (valid and (SQ == 1 or t <= position)  # causal among the new tokens
+                    and (not WINDOW or t >= position - terms[0])):
                 if score > m[r]:
                     alpha = ex2_approx(m[r] - score)
                     m[r] = score
@@ -243,7 +271,8 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
                 for x in range(VW):
                     acc[r, x] += p * v_row[x]
 
-    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2):
+    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right,
+               cap_log2, cap_slope):
         b = cuda.blockIdx.z
         h_kv = cuda.blockIdx.y // ROW_CHUNKS
         row0 = (cuda.blockIdx.y % ROW_CHUNKS) * ROWS  # first row (g · SQ + i) of the group
@@ -253,8 +282,10 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
         page_size = k.shape[2]
         capacity = page_table.shape[1] * page_size if PAGED else page_size
         seqlen = min(max(seqlens[b], 0), capacity) if HAS_SEQLENS else capacity
-        per_split = -(-seqlen // splits)
-        start, end = split * per_split, min(seqlen, (split + 1) * per_split)
+        start, end = split_keys(seqlen, SQ, WINDOW, left, split, splits)
+        terms = (left, right, cap_log2, cap_slope)
+        slopes = cuda.local.array(ROWS, float32)
+        seeded = SINKS and split == 0 and warp == 0 and lane < LANES  # the lane group that counts the sinks
 
         q_reg = cuda.local.array((ROWS, QW), float32)
         acc = cuda.local.array((ROWS, VW), float32)
@@ -273,8 +304,9 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
                 q_reg[r, x] = k_row[x] * scale_log2 if row0 + r < G * SQ else _ZERO
             for x in range(VW):
                 acc[r, x] = _ZERO
-            m[r] = _NEG_INF
-            l_sum[r] = _ZERO
+            slopes[r], sink = row_terms(alibi, sinks, b, h_kv * G + min(g, G - 1), ALIBI, SINKS)
+            m[r] = sink if seeded else _NEG_INF  # a sink is a term of the sum with no value row
+            l_sum[r] = _ONE if seeded else _ZERO
 
         # Every lane of a warp makes the same trips (the score reductions are warp-wide shuffles);
         # a lane group whose key is past the end computes a score it then ignores. A warp takes
@@ -295,7 +327,7 @@ def decode_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged
                 valid = t < end
                 expand(k_words, u, sub, NCH, CPL, k_row)
                 expand(v_words, u, sub, NCHV, CPLV, v_row)
-                update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc)
+                update_rows(t, valid, seqlen, row0, q_reg, k_row, v_row, m, l_sum, acc, slopes, terms)
 
         # merge the lane groups of a warp (they hold different keys, the same columns)
         offset = LANES
@@ -339,7 +371,8 @@ PAGE_INDICES_AHEAD = 2
 
 
 @functools.lru_cache(maxsize=None)
-def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged, has_seqlens, split, write_lse):
+def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, paged, has_seqlens, split, write_lse,
+                      mods=NO_MODS):
     """Tensor-core (``mma.sync``) variant of ``decode_kernel``, same arguments and grid with ``rows = 16``,
     a ring of ``config.stages`` stages per warp.
 
@@ -370,6 +403,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     init, _, update, rescale, _, _ = softmax_steps(1, NTILES, DTILES, False, dtype)
     finish = _finisher(dtype, head_dim_v, group, seqlen_q, MMA_ROWS, split, write_lse)
+    WINDOW, SOFTCAP, ALIBI, SINKS = mods.window, mods.softcap, mods.alibi, mods.sinks
 
     @cuda.jit(device=True, forceinline=True)
     def tile_first(start, warp, tile):
@@ -437,23 +471,44 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
                                                                                     K_SWIZZLED)
 
     @cuda.jit(device=True, forceinline=True)
-    def scale_and_mask(s, scale_log2, masked, n0, end, last_visible, row0, g, t):
-        """Scores into the log2 domain; when ``masked``, keys at or past ``end`` and, with several new
-        tokens, keys after ``last_visible + i`` for token ``i`` get -inf. (Two passes, so that the
-        unmasked tiles run no mask test.)"""
+    def modified(x, scale_log2, position, col, slope, terms):
+        """A score into the log2 domain, softcapped and less ALiBi's bias (``terms`` as ``update_rows``'s)."""
+        x *= scale_log2
+        if SOFTCAP:
+            x = softcapped(x, terms[2], terms[3])
+        if ALIBI:
+            x -= slope * float32(position - col)
+        return x
+
+    @cuda.jit(device=True, forceinline=True)
+    def scale_and_mask(s, scale_log2, masked, n0, end, last_visible, row0, g, t, slopes, terms):
+        """Scores into the log2 domain, modified (``modified``; ``slopes`` of the lane's two rows); when
+        ``masked``, keys at or past ``end``, with several new tokens keys after ``last_visible + i`` for
+        token ``i``, and keys left of the window get -inf. (Two passes, so that the unmasked tiles run no
+        mask test.)"""
         if masked:
             for nt in range(MMA_KEYS // 8):
                 for e in range(4):
                     col = n0 + 8 * nt + 2 * t + e % 2
-                    i = (row0 + g + 8 * (e // 2)) % SQ
-                    visible = col < end and (SQ == 1 or col <= last_visible + i)
-                    s[0, nt, e] = s[0, nt, e] * scale_log2 if visible else _NEG_INF
+                    position = last_visible + (row0 + g + 8 * (e // 2)) % SQ
+                    visible = col < end and (SQ == 1 or col <= position)
+                    if WINDOW:
+                        visible = visible and col >= position - terms[0]
+                    s[0, nt, e] = (modified(s[0, nt, e], scale_log2, position, col, slopes[e // 2], terms)
+                                   if visible else _NEG_INF)
+        elif SOFTCAP or ALIBI:
+            for nt in range(MMA_KEYS // 8):
+                for e in range(4):
+                    position = last_visible + (row0 + g + 8 * (e // 2)) % SQ
+                    s[0, nt, e] = modified(s[0, nt, e], scale_log2, position, n0 + 8 * nt + 2 * t + e % 2,
+                                           slopes[e // 2], terms)
         else:
             for nt in range(MMA_KEYS // 8):
                 for e in range(4):
                     s[0, nt, e] *= scale_log2
 
-    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2):
+    def kernel(q, k, v, page_table, seqlens, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right,
+               cap_log2, cap_slope):
         smem = cuda.shared.array(0, uint16)
         b = cuda.blockIdx.z
         h_kv = cuda.blockIdx.y // ROW_CHUNKS
@@ -464,8 +519,8 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
         mat, mrow = ldmatrix_lane(lane)
         capacity = page_table.shape[1] * k.shape[2] if PAGED else k.shape[2]
         seqlen = min(max(seqlens[b], 0), capacity) if HAS_SEQLENS else capacity
-        per_split = -(-seqlen // splits)
-        start, end = split * per_split, min(seqlen, (split + 1) * per_split)
+        start, end = split_keys(seqlen, SQ, WINDOW, left, split, splits)
+        terms = (left, right, cap_log2, cap_slope)
         n_tiles = max(0, -(-(end - start) // MMA_KEYS))
         my_tiles = (n_tiles - warp + WARPS - 1) // WARPS  # this warp takes tiles warp, warp + WARPS, ...
         ring = Q_ELEMS + warp * WARP_RING
@@ -510,6 +565,13 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
         acc = cuda.local.array((1, DTILES, 4), float32)
         s = cuda.local.array((1, NTILES, 4), float32)
         init(m_i, l_i, acc)
+        slopes = cuda.local.array(2, float32)
+        for half in range(2):  # the lane's rows g and g + 8: their heads' slopes and sinks
+            head = h_kv * G + min((row0 + g + 8 * half) // SQ, G - 1)
+            slopes[half], sink = row_terms(alibi, sinks, b, head, ALIBI, SINKS)
+            if SINKS and split == 0 and warp == 0:  # warp 0 counts the sinks (l_i holds lane partials)
+                m_i[half] = sink
+                l_i[half] = _ONE if t == 0 else _ZERO
 
         for j in range(my_tiles):
             syncwarp()  # every lane is done with the stage refilled below
@@ -542,7 +604,9 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
                                                                      s[0, 1, 2], s[0, 1, 3])
             n0 = tile_first(start, warp, j)
             masked = n0 + MMA_KEYS > end or (SQ > 1 and n0 + MMA_KEYS - 1 > seqlen - SQ)
-            scale_and_mask(s, scale_log2, masked, n0, end, seqlen - SQ, row0, g, t)
+            if WINDOW:  # the tile starts left of the last token's window
+                masked = masked or n0 < seqlen - 1 - left
+            scale_and_mask(s, scale_log2, masked, n0, end, seqlen - SQ, row0, g, t, slopes, terms)
             if update(s, m_i, l_i, row_max, alpha):
                 rescale(acc, alpha)
             # O += P V: the two score tiles are the A fragment of one k-step

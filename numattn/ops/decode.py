@@ -50,6 +50,7 @@ from .checks import (
     page_table_operands,
 )
 from .plans import PLANS, LaunchPlan, array_pointer, array_signature, on_device, tensor_pointer
+from .score_mods import NO_OPTIONS, ScoreOptions, score_options
 from .workspace import WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -92,6 +93,7 @@ class DecodeProblem:
     capacity: int  # keys a sequence can hold
     layout: str  # of q and the output
     squeezed: bool  # q and the output without their seqlen_q axis
+    options: ScoreOptions = NO_OPTIONS  # window, softcap, ALiBi, sinks
 
     def with_contiguous_out(self):
         """This problem with the output written to a contiguous array of ``out_shape``."""
@@ -164,7 +166,7 @@ def _caches(q_op, q4, k, v, names, text, axes):
     return k4, v4
 
 
-def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out=None):
+def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out, mods):
     choice("layout", layout, _LAYOUTS)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -181,10 +183,10 @@ def _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, ou
         if s_op.shape[0] != q4.shape[0]:
             raise ValueError(f"seqlens must have one entry per sequence ({q4.shape[0]}), got shape {s_op.shape}")
         seq = _Array(s_op, s_op.shape, s_op.strides)
-    return _problem(q_op, q4, k4, v4, None, seq, k4.shape[2], scale, layout, return_lse, squeezed, out)
+    return _problem(q_op, q4, k4, v4, None, seq, k4.shape[2], scale, layout, return_lse, squeezed, out, mods)
 
 
-def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
+def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out, mods):
     choice("kv_layout", kv_layout, _KV_LAYOUTS)
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
@@ -196,10 +198,11 @@ def _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, 
     t_op, s_op = page_table_operands(page_table, seqlens, batch, q_op.device)
     table, seq = _Array(t_op, t_op.shape, t_op.strides), _Array(s_op, s_op.shape, s_op.strides)
     return _problem(q_op, q4, k4, v4, table, seq, t_op.shape[1] * k4.shape[2], scale, "bhsd", return_lse, squeezed,
-                    out)
+                    out, mods)
 
 
-def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed, out):
+def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, squeezed, out, mods):
+    """The ``DecodeProblem``; ``mods`` the arguments ``(window, softcap, alibi_slopes, sinks)``."""
     batch, heads_q, seqlen_q, head_dim = q4.shape
     head_dim_v = v4.shape[3]
     if squeezed:
@@ -215,6 +218,7 @@ def _problem(q_op, q4, k4, v4, table, seq, capacity, scale, layout, return_lse, 
         batch, heads_q, k4.shape[1], seqlen_q, head_dim, head_dim_v, q_op.dtype, q_op.device,
         softmax_scale(scale, head_dim), bool(return_lse), q4, k4, v4, table, seq, out_shape,
         _output_view(out_shape, layout, squeezed, out_strides), capacity, layout, squeezed,
+        score_options(*mods, True, batch, heads_q, q_op.device),
     )
 
 
@@ -266,7 +270,7 @@ class _Plan:
         self.split = self.splits > 1
         self.grid = (self.splits, p.heads_kv * row_chunks, p.batch)
         flags = {"paged": p.page_table is not None, "has_seqlens": p.seqlens is not None, "split": self.split,
-                 "write_lse": p.return_lse}
+                 "write_lse": p.return_lse, "mods": p.options.mods}
         if self.stages is not None:
             self.decode = decode_mma_kernel(p.dtype, p.head_dim, p.head_dim_v, group, p.seqlen_q, config, **flags)
         else:
@@ -276,7 +280,7 @@ class _Plan:
         self.counter_shape = self.grid[2:0:-1]  # [B, row chunks of every KV head]: the merge's tickets
         kind = f"mma stages={self.stages}" if self.stages else f"simt rows={config.rows} vector={vector}"
         self.label = (f"decode {kind} {p.dtype} d={p.head_dim}/{p.head_dim_v} group={group} sq={p.seqlen_q} "
-                      f"paged={p.page_table is not None} splits={self.splits}")
+                      f"paged={p.page_table is not None} splits={self.splits} {p.options.label()}").rstrip()
 
     @property
     def workspace_shapes(self):
@@ -319,24 +323,27 @@ class _DevicePlan(_Plan, LaunchPlan):
             types.Array(storage, 4, "A"), types.Array(storage, 4, "A"), types.Array(storage, 4, "A"),
             types.Array(i32, 2, "A"), types.Array(i32, 1, "A"), types.Array(storage, 4, "A"),
             types.Array(f32, 3, "A"), types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(i32, 2, "A"),
-            f32,
+            f32, types.Array(f32, 2, "A"), types.Array(f32, 1, "A"), types.int64, types.int64, f32, f32,
         )
         if checked_on_device and p.seqlens is not None:  # the check's kernel compiles in a worker meanwhile
             compile_ahead([index_check_spec(p.page_table is not None)], p.device)
         kernel = compiled(self.decode, argtypes, p.device, self.shared_bytes, self.label)
         fields, slots = array_fields(self.arrays())
         fields.append(np.float32(p.scale * LOG2E))
-        # (stream, q, k, v, page_table, seqlens, out, lse) and with splits (..., part, part_lse, counters); the
-        # kernel reads no workspace without splits
-        self._kernel, self._fields, self._slots = kernel, fields, slots if self.split else slots[:7]
+        mod_fields, mod_slots = array_fields(p.options.arrays(p.batch, p.heads_q))
+        slots[5:5] = [len(fields) + slot for slot in mod_slots]
+        fields += mod_fields + p.options.scalars()
+        # (stream, q, k, v, page_table, seqlens, alibi, sinks, out, lse) and with splits (..., part, part_lse,
+        # counters); the kernel reads no workspace without splits
+        self._kernel, self._fields, self._slots = kernel, fields, slots if self.split else slots[:9]
         self.launch = kernel.prepare(self.grid, NUM_THREADS, fields, self._slots)
         self.device, self.dtype, self.out_shape = p.device, p.dtype, p.out_shape
         self.lse_shape = p.lse_shape if p.return_lse else None
         self.workspace = WorkspaceLayout(self.workspace_shapes) if self.split else None
         self._index_check = None
 
-    def __call__(self, q, k, v, page_table, seqlens, out=None):
-        return self.run_device_arrays((q, k, v, page_table, seqlens), out)
+    def __call__(self, q, k, v, page_table, seqlens, alibi=None, sinks=None, out=None):
+        return self.run_device_arrays((q, k, v, page_table, seqlens, alibi, sinks), out)
 
     def check_values(self, q, page_table, seqlens):
         """Raise what an earlier call's check found on this GPU, then queue the check of these lengths and
@@ -352,13 +359,13 @@ class _DevicePlan(_Plan, LaunchPlan):
         """The raw handle of the stream a launch on ``q`` runs on."""
         return cai_stream(q)
 
-    def bound_launch(self, k, v, page_table, seqlens):
-        """A launch with the data pointers of the caches, page table and lengths (ints, 0 for none)
-        fixed; it takes those of q, out, lse (and with splits the workspace's, as ``launch``)."""
+    def bound_launch(self, k, v, page_table, seqlens, alibi, sinks):
+        """A launch with the data pointers of the caches, page table, lengths, ALiBi slopes and sinks (ints, 0
+        for none) fixed; it takes those of q, out, lse (and with splits the workspace's, as ``launch``)."""
         fields = list(self._fields)
-        for slot, pointer in zip(self._slots[1:5], (k, v, page_table, seqlens), strict=True):
+        for slot, pointer in zip(self._slots[1:7], (k, v, page_table, seqlens, alibi, sinks), strict=True):
             fields[slot] = pointer
-        return self._kernel.prepare(self.grid, NUM_THREADS, fields, self._slots[:1] + self._slots[5:])
+        return self._kernel.prepare(self.grid, NUM_THREADS, fields, self._slots[:1] + self._slots[7:])
 
 
 class _TorchPlan(_DevicePlan):
@@ -370,9 +377,9 @@ class _TorchPlan(_DevicePlan):
         self._current_stream = torch_current()[1]
         self._run = self.torch_runner()
 
-    def __call__(self, q, k, v, page_table, seqlens, out=None):
+    def __call__(self, q, k, v, page_table, seqlens, alibi=None, sinks=None, out=None):
         return self._run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(page_table),
-                         tensor_pointer(seqlens))
+                         tensor_pointer(seqlens), tensor_pointer(alibi), tensor_pointer(sinks))
 
     def stream_of(self, q):
         return self._current_stream(self.problem.device)
@@ -387,8 +394,8 @@ class _HostPlan(_Plan):
         super().__init__(p, splits)
         self._device_plan = None  # made by the first call on a GPU machine
 
-    def __call__(self, q, k, v, page_table, seqlens, out=None):
-        result = self._compute(q, k, v, page_table, seqlens)
+    def __call__(self, q, k, v, page_table, seqlens, alibi=None, sinks=None, out=None):
+        result = self._compute(q, k, v, page_table, seqlens, alibi, sinks)
         if out is None:
             return result
         o = result[0] if self.problem.return_lse else result
@@ -400,7 +407,7 @@ class _HostPlan(_Plan):
             out.copy_to_device(o)
         return (out, result[1]) if self.problem.return_lse else out
 
-    def _compute(self, q, k, v, page_table, seqlens):
+    def _compute(self, q, k, v, page_table, seqlens, alibi, sinks):
         p = self.problem
         views = []
         for x, a in ((q, p.q), (k, p.k), (v, p.v), (page_table, p.page_table), (seqlens, p.seqlens)):
@@ -410,13 +417,15 @@ class _HostPlan(_Plan):
             storage = host_storage(x, a.op) if a.op.dtype in FLOAT_DTYPES else host_values(x)
             item = storage.itemsize
             views.append(np.lib.stride_tricks.as_strided(storage, a.shape, tuple(s * item for s in a.strides)))
+        head_terms = [None if x is None else host_storage(x, op)
+                      for x, op in ((alibi, p.options.alibi), (sinks, p.options.sinks))]
         if not SIMULATOR:
-            return self._on_device(q, views)
+            return self._on_device(q, views + head_terms)
         out = np.empty(p.out_shape, storage_dtype(p.dtype))
         item = out.itemsize
         o4 = np.lib.stride_tricks.as_strided(out, p.out_view[0], tuple(s * item for s in p.out_view[1]))
         if not simulating():
-            lse = self._on_cpu(views, o4)
+            lse = self._on_cpu(views, o4, *head_terms)
             result = wrap_host(out, q, p.dtype)
             return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
         lse, part, part_lse = (np.empty(shape, np.float32) for shape in (p.lse_shape, *self.workspace_shapes[:2]))
@@ -425,11 +434,12 @@ class _HostPlan(_Plan):
         lengths = views[4] if views[4] is not None else np.zeros(1, np.int32)
         compiled(self.decode, None, 0, self.shared_bytes, self.label).launch_arrays(
             self.grid, NUM_THREADS, *views[:3], table, lengths, o4, lse, part, part_lse, counters,
-            np.float32(p.scale * LOG2E))
+            np.float32(p.scale * LOG2E), *p.options.host_arrays(alibi, sinks, p.batch, p.heads_q),
+            *p.options.scalars())
         result = wrap_host(out, q, p.dtype)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
-    def _on_cpu(self, views, o4):
+    def _on_cpu(self, views, o4, alibi, sinks):
         """The CPU path: writes the output into the storage view ``o4`` ``[B, Hq, Sq, Dv]``, returns the LSE."""
         p = self.problem
         table, lengths = views[3:]
@@ -437,7 +447,8 @@ class _HostPlan(_Plan):
             table = np.arange(p.batch, dtype=np.int32)[:, None]
         if lengths is None:
             lengths = np.full(p.batch, p.capacity, np.int32)
-        o, lse = cpu.paged_decode(*(float32_values(x, p.dtype) for x in views[:3]), table, lengths, p.scale)
+        o, lse = cpu.paged_decode(*(float32_values(x, p.dtype) for x in views[:3]), table, lengths, p.scale,
+                                  p.options.window, p.options.softcap, alibi, sinks)
         o4[...] = rounded_storage(o, p.dtype)
         return lse
 
@@ -453,8 +464,9 @@ class _HostPlan(_Plan):
                 return _Array(replace(a.op, kind="numba", device=device, ptr=0, strides=strides), x.shape, strides)
 
             names = ("q", "k", "v", "page_table", "seqlens")
-            fields = {name: moved(getattr(p, name), x) for name, x in zip(names, views, strict=True) if x is not None}
-            self._device_plan = _DevicePlan(replace(p, device=device, **fields), self.splits, checked_on_device=False)
+            fields = {name: moved(getattr(p, name), x) for name, x in zip(names, views[:5], strict=True) if x is not None}
+            on_gpu = replace(p, device=device, options=p.options.on_device(device), **fields)
+            self._device_plan = _DevicePlan(on_gpu, self.splits, checked_on_device=False)
         result = on_device(self._device_plan, views)
         if p.return_lse:
             return wrap_host(result[0], q, p.dtype), wrap_host(result[1], q, "float32")
@@ -487,7 +499,7 @@ def make_plan(p, splits=None):
     return _DevicePlan(p, splits)
 
 
-def _torch_key(kind, q, k, v, table, lengths, out, options):
+def _torch_key(kind, q, k, v, table, lengths, alibi, sinks, out, options):
     """Plan-cache key of a call on torch tensors, ``array_signature``'s fields in one flat tuple (the hot path);
     AttributeError for other arrays. Options enter with their types, so that a cached plan never accepts
     what validation would reject."""
@@ -500,27 +512,35 @@ def _torch_key(kind, q, k, v, table, lengths, out, options):
         None if table is None else (table.__class__, table.dtype, table.shape, table.stride(), table.device),
         None if lengths is None else (lengths.__class__, lengths.dtype, lengths.shape, lengths.stride(), lengths.device),
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
+        None if alibi is None else (alibi.__class__, alibi.dtype, alibi.shape, alibi.stride(), alibi.device),
+        None if sinks is None else (sinks.__class__, sinks.dtype, sinks.shape, sinks.stride(), sinks.device),
         *options, *map(type, options),
     )
+
+
+def _validated(validate, arrays, options, out):
+    """``validate``'s problem of a call's ``arrays`` ``[q, caches, page_table, seqlens, alibi, sinks]`` and
+    ``options`` ``(scale, layout, return_lse, window, softcap)``."""
+    *arrays, alibi, sinks = (from_dlpack(x) if x is not None else None for x in arrays)
+    scale, layout, return_lse, window, softcap = options
+    return validate(*arrays, scale, layout, return_lse, out, window, softcap, alibi, sinks)
 
 
 def _run(kind, validate, arrays, options, check, out):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    q, k, v, table, lengths = arrays
     try:
         try:
-            key = _torch_key(kind, q, k, v, table, lengths, out, options)
+            key = _torch_key(kind, *arrays, out, options)
         except AttributeError:  # not all torch tensors
-            key = (kind, array_signature(q), array_signature(k), array_signature(v), array_signature(table), array_signature(lengths),
-                   array_signature(out), *options, *map(type, options))
+            key = (kind, *map(array_signature, arrays), array_signature(out), *options, *map(type, options))
         plan = PLANS.get(key)  # hashes the key once
     except TypeError:  # an argument without a signature, or unhashable options: validated and planned every call
         key = plan = None
     if plan is None:
         arrays = [from_dlpack(x) if x is not None else None for x in arrays]
         out = from_dlpack(out) if out is not None else None
-        problem = validate(*arrays, *options, out)
+        problem = _validated(validate, arrays, options, out)
         plan = make_plan(problem, _tuned_splits(problem))
         if key is not None:
             PLANS.store(key, plan)
@@ -539,7 +559,8 @@ def _capturing(p):
 
 
 def decode(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = None, scale: float | None = None,
-           layout: str = "bhsd", return_lse: bool = False, check: bool = True,
+           window: tuple | None = None, softcap: float | None = None, alibi_slopes: Array | None = None,
+           sinks: Array | None = None, layout: str = "bhsd", return_lse: bool = False, check: bool = True,
            out: Array | None = None) -> Array | tuple[Array, Array]:
     """Attention of a few new query tokens per sequence over a KV cache (split-KV flash decoding).
 
@@ -557,6 +578,11 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = 
         A sequence of length 0 returns zeros (and an LSE of ``-inf``).
     scale : float, optional
         Softmax scale, ``1 / sqrt(head_dim)`` by default.
+    window, softcap, alibi_slopes, sinks : optional
+        As in ``numattn.attention`` (a query's position among the keys is ``seqlen - seqlen_q + i``;
+        the window's right side is the causal one): a sliding window of ``window[0]`` keys before each
+        token (the keys before the first token's window are never read), a logit softcap, ALiBi slopes
+        ``[heads_q]`` or ``[batch, heads_q]`` and attention sinks ``[heads_q]`` (float32).
     return_lse : bool
         Also return the natural-log log-sum-exp per query row, float32 ``[batch, heads_q, seqlen_q]``.
     check : bool
@@ -585,18 +611,21 @@ def decode(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = 
     >>> numattn.decode(q, k, v, seqlens=np.array([100, 37], np.int32)).shape
     (2, 8, 64)
     """
-    return _run("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens],
-                (scale, layout, return_lse), check, out)
+    return _run("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens, alibi_slopes, sinks],
+                (scale, layout, return_lse, window, softcap), check, out)
 
 
-def validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse, out=None):
+def validate_decode_args(q, k_cache, v_cache, page_table, seqlens, scale, layout, return_lse, out=None, window=None,
+                         softcap=None, alibi_slopes=None, sinks=None):
     """The ``DecodeProblem`` of a ``decode`` call (``page_table`` None), or the error naming a bad argument."""
-    return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out)
+    return _validate_decode(q, k_cache, v_cache, seqlens, scale, layout, return_lse, out,
+                            (window, softcap, alibi_slopes, sinks))
 
 
 def paged_decode(q: Array, k_pages: Array, v_pages: Array, page_table: Array, seqlens: Array, *,
-                 scale: float | None = None, kv_layout: str = "nhd", return_lse: bool = False, check: bool = True,
-                 out: Array | None = None) -> Array | tuple[Array, Array]:
+                 scale: float | None = None, window: tuple | None = None, softcap: float | None = None,
+                 alibi_slopes: Array | None = None, sinks: Array | None = None, kv_layout: str = "nhd",
+                 return_lse: bool = False, check: bool = True, out: Array | None = None) -> Array | tuple[Array, Array]:
     """Decode attention over a paged KV cache.
 
     Parameters
@@ -608,28 +637,34 @@ def paged_decode(q: Array, k_pages: Array, v_pages: Array, page_table: Array, se
         ``page_table[b, t // page_size]`` at position ``t % page_size``. Entries past a
         sequence's last page are ignored.
     seqlens : int32 ``[batch]``: keys per sequence, at most ``max_pages * page_size``.
-    scale, return_lse, check, out : as in ``decode``; ``check`` also checks that every page index
-        a sequence uses lies in ``[0, num_pages)`` (unchecked indices are clamped into it).
+    scale, window, softcap, alibi_slopes, sinks, return_lse, check, out : as in ``decode``; ``check``
+        also checks that every page index a sequence uses lies in ``[0, num_pages)`` (unchecked indices
+        are clamped into it).
 
     See Also
     --------
     numattn.csr_page_table : the page table of FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` form.
     """
-    return _run("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
-                (scale, kv_layout, return_lse), check, out)
+    return _run("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens, alibi_slopes, sinks],
+                (scale, kv_layout, return_lse, window, softcap), check, out)
 
 
-def validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None):
+def validate_paged_args(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out=None, window=None,
+                        softcap=None, alibi_slopes=None, sinks=None):
     """The ``DecodeProblem`` of a ``paged_decode`` call, or the error naming a bad argument."""
-    return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out)
+    return _validate_paged(q, k_pages, v_pages, page_table, seqlens, scale, kv_layout, return_lse, out,
+                           (window, softcap, alibi_slopes, sinks))
 
 
 def decode_plan(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | None = None,
-                scale: float | None = None, layout: str = "bhsd", return_lse: bool = False) -> "DecodePlan":
+                scale: float | None = None, window: tuple | None = None, softcap: float | None = None,
+                alibi_slopes: Array | None = None, sinks: Array | None = None, layout: str = "bhsd",
+                return_lse: bool = False) -> "DecodePlan":
     """``numattn.decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these caches
     (and ``seqlens``), called with each step's new ``q``.
 
-    Arguments as in ``decode``; ``q`` fixes the shape, strides, dtype and device of every later ``q``.
+    Arguments as in ``decode``; ``q`` fixes the shape, strides, dtype and device of every later ``q``;
+    the ALiBi slopes and sinks are bound like the caches (their values may change in place).
 
     Examples
     --------
@@ -643,15 +678,18 @@ def decode_plan(q: Array, k_cache: Array, v_cache: Array, *, seqlens: Array | No
     >>> step(rng.standard_normal((2, 8, 64), dtype=np.float32)).shape
     (2, 8, 64)
     """
-    return DecodePlan("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens], (scale, layout, return_lse))
+    return DecodePlan("decode", validate_decode_args, [q, k_cache, v_cache, None, seqlens, alibi_slopes, sinks],
+                      (scale, layout, return_lse, window, softcap))
 
 
 def paged_decode_plan(q: Array, k_pages: Array, v_pages: Array, page_table: Array, seqlens: Array, *,
-                      scale: float | None = None, kv_layout: str = "nhd", return_lse: bool = False) -> "DecodePlan":
+                      scale: float | None = None, window: tuple | None = None, softcap: float | None = None,
+                      alibi_slopes: Array | None = None, sinks: Array | None = None, kv_layout: str = "nhd",
+                      return_lse: bool = False) -> "DecodePlan":
     """``numattn.paged_decode`` prepared once for a decode loop: a ``DecodePlan`` bound to these pages,
     page table and lengths, called with each step's new ``q`` (see ``decode_plan``)."""
-    return DecodePlan("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens],
-                      (scale, kv_layout, return_lse))
+    return DecodePlan("paged", validate_paged_args, [q, k_pages, v_pages, page_table, seqlens, alibi_slopes, sinks],
+                      (scale, kv_layout, return_lse, window, softcap))
 
 
 def _tensor_signature(x):
@@ -689,9 +727,9 @@ class DecodePlan:
 
     def __init__(self, kind, validate, arrays, options):
         self._kind, self.validate, self._options = kind, validate, options
-        self._bound = tuple(arrays[1:])  # k, v, page table, seqlens
-        self._table, self._lengths = arrays[3:]
-        problem = validate(*(from_dlpack(x) if x is not None else None for x in arrays), *options, None)
+        self._bound = tuple(arrays[1:])  # k, v, page table, seqlens, ALiBi slopes, sinks
+        self._table, self._lengths = arrays[3:5]
+        problem = _validated(validate, arrays, options, None)
         self.problem = problem
         q = arrays[0]
         self._torch = all(x is None or is_torch(x) for x in arrays)
