@@ -9,37 +9,49 @@ inputs' dtype.
 import numpy as np
 import torch
 
+from ._arrays import describe
 from .ops.attention import attention as _attention
 from .ops.attention import softmax_scale
 from .ops.backward import attention_backward, compile_backward_ahead
+from .ops.score_mods import score_options, softcap_value, window_bounds
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
+    def forward(ctx, q, k, v, sinks, causal, scale, window, softcap, alibi_slopes):
+        options = score_options(window, softcap, alibi_slopes, sinks, causal, q.shape[0], q.shape[1],
+                                describe(q, "q").device)
         dtype = str(q.dtype).removeprefix("torch.")
         if any(ctx.needs_input_grad[:3]) and q.is_cuda and dtype in _DTYPES and q.dim() == v.dim() == 4:
             # the backward's kernels compile in a worker process while this process compiles the forward's
-            compile_backward_ahead(dtype, q.shape[-1], v.shape[-1], bool(causal), q.device.index)
-        o, lse = _attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, softmax_scale(scale, q.shape[-1])
+            compile_backward_ahead(dtype, q.shape[-1], v.shape[-1], bool(causal), q.device.index, options.mods)
+        o, lse = _attention(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                            sinks=sinks, scale=scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks)
+        ctx.causal, ctx.scale, ctx.options = causal, softmax_scale(scale, q.shape[-1]), options
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do.to(q.dtype), causal=ctx.causal, scale=ctx.scale)
-        needs = ctx.needs_input_grad[:3]  # of q, k, v (causal and scale get none)
+        q, k, v, o, lse, alibi_slopes, sinks = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do.to(q.dtype), causal=ctx.causal, scale=ctx.scale,
+                                        options=ctx.options, alibi=alibi_slopes, sinks=sinks)
+        needs = ctx.needs_input_grad[:3]  # of q, k, v (the options but the sinks get none)
         grads = [g.to(x.dtype) if need else None for g, x, need in zip((dq, dk, dv), (q, k, v), needs, strict=True)]
-        return (*grads, None, None)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d loss / d sink_h = -sum over rows of P(sink) · delta, with P(sink) = exp(sink − lse), delta = dO · O
+            delta = (do.float() * o.float()).sum(-1)
+            dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+        return (*grads, dsinks, None, None, None, None, None)
 
 
 def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: bool = False,
-              scale: float | None = None) -> "torch.Tensor":
-    """``softmax(scale · q kᵀ) v`` with gradients for q, k and v (whichever require them).
+              scale: float | None = None, *, window: tuple | None = None, softcap: float | None = None,
+              alibi_slopes: "torch.Tensor | None" = None, sinks: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """``softmax(scale · q kᵀ) v`` with gradients for q, k and v (whichever require them), and for ``sinks``.
 
     Parameters
     ----------
@@ -52,6 +64,11 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: b
         Bottom-right aligned causal mask, as in ``numattn.attention``.
     scale : float, optional
         ``1 / sqrt(head_dim)`` by default.
+    window, softcap, alibi_slopes, sinks : optional
+        The score modifications of ``numattn.attention`` (sliding window, logit softcap, ALiBi slopes
+        ``[num_heads_q]`` or ``[batch, num_heads_q]``, sinks ``[num_heads_q]``, both float32). The
+        backward recomputes the scores with them; ``sinks`` get a gradient when they require one, the
+        slopes none.
 
     Returns
     -------
@@ -69,17 +86,20 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: b
                             "other arrays, without gradients)")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, bool(causal), scale)
-    return _attention(q, k, v, causal=causal, scale=scale)
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors if isinstance(x, torch.Tensor)):
+        return _Attention.apply(q, k, v, sinks, bool(causal), scale, window, softcap, alibi_slopes)
+    return _attention(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                      sinks=sinks, scale=scale)
 
 
 class GroupedQueryAttention(torch.nn.Module):
     """Multi-head attention with ``kv_heads`` key/value heads shared by groups of the ``heads`` query
     heads (GQA; MQA with one, MHA with ``heads``): q/k/v and output projections around
-    ``numattn.torch.attention``. Input and output ``[batch, seqlen, dim]``."""
+    ``numattn.torch.attention``, with an optional sliding ``window`` and logit ``softcap`` (as
+    ``numattn.attention`` takes them, checked here). Input and output ``[batch, seqlen, dim]``."""
 
-    def __init__(self, dim, heads, kv_heads, causal=True, bias=False):
+    def __init__(self, dim, heads, kv_heads, causal=True, bias=False, window=None, softcap=None):
         super().__init__()
         for name, value in (("dim", dim), ("heads", heads), ("kv_heads", kv_heads)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -91,6 +111,8 @@ class GroupedQueryAttention(torch.nn.Module):
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.dim, self.heads, self.kv_heads, self.head_dim, self.causal = dim, heads, kv_heads, dim // heads, causal
+        window_bounds(window, causal)  # a bad window fails here, not at the first forward
+        self.window, self.softcap = window, softcap_value(softcap)
         self.q_proj = torch.nn.Linear(dim, dim, bias=bias)
         self.k_proj = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
         self.v_proj = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
@@ -103,5 +125,5 @@ class GroupedQueryAttention(torch.nn.Module):
         q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
-        o = attention(q, k, v, causal=self.causal)
+        o = attention(q, k, v, causal=self.causal, window=self.window, softcap=self.softcap)
         return self.out_proj(o.transpose(1, 2).reshape(batch, seq, -1))

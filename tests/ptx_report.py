@@ -127,7 +127,8 @@ def training_and_mla_variants():
     """``(name, kernel, signature)`` of the backward's tensor-core kernels (the configurations chosen on an
     sm_90 GPU) and the MLA decode kernel of DeepSeek's sizes, which ``--resources`` reports too."""
     limits = {"cc": (9, 0), "max_shared": 227 * 1024}
-    backward = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32, types.float32)
+    backward = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32, types.float32,
+                *MOD_SIGNATURE)
     for dtype in ("float16", "bfloat16"):
         for head_dim in (64, 128):
             config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
@@ -136,6 +137,9 @@ def training_and_mla_variants():
             config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
                    backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
+    config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
+    yield ("backward-wgmma-bfloat16-causal1-d128-mods",
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward)
     mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
            types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)
     for heads in (16, 128):

@@ -207,6 +207,80 @@ def test_decode_plan_binds_the_slopes_and_sinks(rng):
         sinks += 1
 
 
+def float64_training_step(q, k, v, do, causal, window, softcap, alibi_slopes, sinks, scale=None):
+    """The float64 gradients ``[dq, dk, dv(, dsinks)]`` of the attention with the options, by torch autograd."""
+    import torch
+
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.detach().double().requires_grad_())
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.repeat_interleave(group, dim=1) for x in leaves[1:3])
+    sq, sk = q.shape[2], k.shape[2]
+    scores = (leaves[0] @ keys.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.double()[..., None, None] * (i - j).abs()
+    left, right = window or (-1, -1)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal or right not in (None, -1):
+        visible &= j <= i + (0 if causal else right)
+    if left not in (None, -1):
+        visible &= j >= i - left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, leaves[3][None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num()
+    (p[..., :sk] @ values).backward(do.double())
+    return [x.grad for x in leaves]
+
+
+TRAINING_OPTION_SETS = [
+    dict(causal=True, window=(5, None)),
+    dict(window=(3, 8), softcap=2.0),
+    dict(causal=True, alibi=True, sinks=True),
+    dict(window=(0, 0), softcap=5.0, alibi=True, sinks=True),
+]
+
+
+def check_gradients(q, k, v, do, options, slopes, sinks, atol):
+    """``numattn.torch.attention``'s gradients of q, k, v (and the sinks) against float64 autograd's."""
+    import numattn.torch as numattn_torch
+
+    alibi = slopes if options.get("alibi") else None
+    sink = sinks.detach().clone().requires_grad_() if options.get("sinks") else None
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    kept = {name: value for name, value in options.items() if name not in ("alibi", "sinks")}
+    numattn_torch.attention(*leaves, alibi_slopes=alibi, sinks=sink, **kept).backward(do)
+    expected = float64_training_step(q, k, v, do, kept.get("causal", False), kept.get("window"), kept.get("softcap"),
+                                     alibi, sink)
+    got = [x.grad for x in leaves] + ([sink.grad] if sink is not None else [])
+    for name, g, e in zip(("dq", "dk", "dv", "dsinks"), got, expected, strict=False):
+        error = (g.double() - e).abs().max().item()
+        assert error <= atol * (1 + e.abs().max().item()), (options, name, error)
+
+
+@pytest.mark.parametrize("path, dtype, head_dim", [("cpu", "float32", 64), ("simulator", "float32", 64),
+                                                   ("simulator", "float16", 64), ("simulator", "bfloat16", 48)],
+                         ids=["cpu", "cuda-cores", "wgmma", "mma"])
+def test_gradients_with_options(rng, path, dtype, head_dim):
+    """The backward with each option set, GQA, more keys than queries: the CPU path, and in the simulator the
+    CUDA-core kernels (float32), the wgmma kernel (head dim 64) and the mma.sync kernel (48), the sinks'
+    gradient included, against float64 autograd."""
+    torch = pytest.importorskip("torch")
+
+    q, k, v = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in random_qkv(rng, 1, 4, 2, 37, 45, head_dim))
+    do = torch.from_numpy(rng.standard_normal(q.shape, np.float32)).to(q.dtype)
+    slopes, sinks = torch.from_numpy(per_head(rng, 4)), torch.from_numpy(rng.standard_normal(4, np.float32) + 1)
+    atol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
+    with numattn.simulate(path == "simulator"):
+        for options in TRAINING_OPTION_SETS if path == "cpu" or dtype == "float16" else TRAINING_OPTION_SETS[2:]:
+            check_gradients(q, k, v, do, options, slopes, sinks, atol)
+
+
 def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sinks):
     """The same attention computed by torch in the inputs' dtype (scores, softcap, bias and P rounded to it):
     the error of an ordinary low-precision implementation, which flash-attn's tests allow twice of."""
@@ -307,3 +381,22 @@ def test_decode_on_gpu_with_options(rng, dtype):
             assert max_error(paged, ref_o) <= ATOL[dtype], options
             planned = numattn.decode_plan(q, k, v, seqlens=lengths, **options)(q)
             assert max_error(planned, ref_o) <= ATOL[dtype], options
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 96), ("float32", 64)],
+                         ids=["wgmma", "mma", "cuda-cores"])
+def test_gradients_on_gpu_with_options(rng, dtype, head_dim):
+    """``numattn.torch.attention``'s backward on the GPU with each option set and windows of 127 keys, GQA,
+    lengths off the tiles: the wgmma (bf16, head dim 128), mma.sync (fp16, 96) and CUDA-core (float32)
+    kernels against float64 autograd."""
+    import torch
+
+    q, k, v = (torch.from_numpy(x).to("cuda", getattr(torch, dtype))
+               for x in random_qkv(rng, 2, 8, 2, 700, 900, head_dim))
+    do = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    slopes = torch.from_numpy(per_head(rng, 8, batch=2)).cuda()
+    sinks = torch.from_numpy(rng.standard_normal(8, np.float32) + 1).cuda()
+    atol = {"float32": 2e-4, "float16": 2e-2, "bfloat16": 8e-2}[dtype]
+    for options in TRAINING_OPTION_SETS + [dict(causal=True, window=(127, 0), softcap=30.0, alibi=True, sinks=True)]:
+        check_gradients(q, k, v, do, options, slopes, sinks, atol)

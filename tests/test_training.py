@@ -184,20 +184,25 @@ def test_backward_kernel_specs_type_the_tensors_it_launches_on(monkeypatch):
     launched = []
     launch = backward_module._launch
 
-    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream):
-        launched.append((spec, arrays, scalars))
-        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream)
+    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None):
+        launched.append((spec, arrays, scalars, mods or ((), ())))
+        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods)
+
+    def typed(tensors):
+        return tuple(types.Array(numba.from_dtype(storage_dtype(str(x.dtype).removeprefix("torch."))), x.dim(), "A")
+                     for x in tensors)
 
     monkeypatch.setattr(backward_module, "_launch", recording)
     device = "cpu" if numattn.SIMULATOR else "cuda"  # host tensors run the kernels in the simulator
     for dtype, head_dim in ((torch.float16, 16), (torch.float32, 16)):  # tensor cores, CUDA cores
         q, k, v = (leaf(s, dtype, device) for s in [(1, 2, 5, head_dim), (1, 1, 7, head_dim), (1, 1, 7, head_dim)])
         nt.attention(q, k, v, causal=True).sum().backward()
-    assert {spec.args[0] for spec, _, _ in launched} == {"rows", "tiles", "dq", "dkdv"}
-    for spec, arrays, scalars in launched:
-        typed = tuple(types.Array(numba.from_dtype(storage_dtype(str(x.dtype).removeprefix("torch."))), x.dim(), "A")
-                      for x in arrays)
-        assert spec.argtypes == typed + (types.float32,) * len(scalars), spec.label
+        nt.attention(q, k, v, causal=True, window=(2, 0), alibi_slopes=torch.ones(2, device=device)).sum().backward()
+    assert {spec.args[0] for spec, *_ in launched} == {"rows", "tiles", "dq", "dkdv"}
+    for spec, arrays, scalars, (mod_arrays, mod_scalars) in launched:
+        mod_types = tuple(types.int64 if isinstance(x, int) else types.float32 for x in mod_scalars)
+        assert spec.argtypes == (typed(arrays) + (types.float32,) * len(scalars) + typed(mod_arrays) + mod_types), (
+            spec.label)
 
 
 @pytest.mark.gpu

@@ -22,17 +22,22 @@ import math
 from numba import float32
 
 from .._cuda import cuda
-from .constants import LOG2E
+from .constants import LOG2E, LOG2E_F32
 from .ptx import cvt_f32_bf16, cvt_f32_f16, shfl_xor_f32
+from .score_mods import NO_MODS, score_gradient
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(dtype, head_dim, head_dim_v, causal):
+def backward_kernels(dtype, head_dim, head_dim_v, causal, mods=NO_MODS):
     """``(rows, dq, dkdv)`` kernels; launch each with one thread per row (``rows_grid``; ``ROW_THREADS``
-    per row for ``rows``): ``rows(o, do, lse, delta, lse2)`` over ``delta``'s rows, ``dq(q, k, v, do, lse2, delta, dq, scale)``,
-    ``dkdv(q, k, v, do, lse2, delta, dk, dv, scale)``. ``lse`` is the forward's (natural log,
-    ``[B, Hq, Sq]``); ``delta`` and ``lse2`` are ``[B, Hq, Sq′]``, ``Sq′ ≥ Sq``, rows past ``Sq`` set to 0."""
+    per row for ``rows``): ``rows(o, do, lse, delta, lse2)`` over ``delta``'s rows, ``dq(q, k, v, do, lse2, delta, dq, scale,
+    *mod_args)``, ``dkdv(q, k, v, do, lse2, delta, dk, dv, scale, *mod_args)``, ``mod_args`` the forward's
+    ``alibi, sinks, left, right, cap_log2, cap_slope`` for the score modifications ``mods`` (``sinks`` unused:
+    they are in lse2). ``lse`` is the forward's (natural log, ``[B, Hq, Sq]``); ``delta`` and ``lse2`` are
+    ``[B, Hq, Sq′]``, ``Sq′ ≥ Sq``, rows past ``Sq`` set to 0."""
     D, DV, CAUSAL = head_dim, head_dim_v, causal
+    WINDOW, ALIBI, ELEMENTWISE = mods.window, mods.alibi, mods.elementwise
+    gradient = score_gradient(mods)
     widen = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16}.get(dtype)
 
     @cuda.jit(device=True, forceinline=True)
@@ -63,27 +68,44 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
             delta[b, h, i] = total
             lse2[b, h, i] = lse[b, h, i] * LOG2E if inside else 0.0
 
+    @cuda.jit(device=True, forceinline=True)
+    def probability_and_gradient(q, k, v, do, lse2, delta, b, h, i, h_kv, j, position, scale, terms):
+        """``(P, dS)`` of query ``i`` (at ``position`` among the keys) and key ``j``."""
+        x = scale * LOG2E * dot(q, b, h, i, k, b, h_kv, j, D)
+        dp = dot(do, b, h, i, v, b, h_kv, j, DV)
+        if ELEMENTWISE:
+            return gradient(x, dp, lse2[b, h, i], delta[b, h, i], float32(abs(position - j)), terms)
+        p = math.exp2(x - lse2[b, h, i])
+        return p, p * (dp - delta[b, h, i])
+
+    @cuda.jit(device=True, forceinline=True)
+    def head_terms(alibi, b, h, left, right, cap_log2, cap_slope):
+        return left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else float32(0.0)
+
     @cuda.jit
-    def dq_kernel(q, k, v, do, lse2, delta, dq, scale):
+    def dq_kernel(q, k, v, do, lse2, delta, dq, scale, alibi, sinks, left, right, cap_log2, cap_slope):
         row = cuda.grid(1)
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         if row < q.shape[0] * heads * seqlen_q:
             b, h, i = row // (heads * seqlen_q), (row // seqlen_q) % heads, row % seqlen_q
             h_kv = h // (heads // heads_kv)
+            terms = head_terms(alibi, b, h, left, right, cap_log2, cap_slope)
             acc = cuda.local.array(D, float32)
             for d in range(D):
                 acc[d] = 0.0
-            end = min(seqlen_kv, i + seqlen_kv - seqlen_q + 1) if CAUSAL else seqlen_kv
-            for j in range(end):
-                p = math.exp2(scale * LOG2E * dot(q, b, h, i, k, b, h_kv, j, D) - lse2[b, h, i])
-                ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
+            position = i + seqlen_kv - seqlen_q
+            first, end = 0, min(seqlen_kv, position + 1) if CAUSAL else seqlen_kv
+            if WINDOW:
+                first, end = max(0, position - left), min(end, position + right + 1)
+            for j in range(first, end):
+                p, ds = probability_and_gradient(q, k, v, do, lse2, delta, b, h, i, h_kv, j, position, scale, terms)
                 for d in range(D):
                     acc[d] += ds * at(k, b, h_kv, j, d)
             for d in range(D):
                 dq[b, h, i, d] = acc[d] * scale
 
     @cuda.jit
-    def dkdv_kernel(q, k, v, do, lse2, delta, dk, dv, scale):
+    def dkdv_kernel(q, k, v, do, lse2, delta, dk, dv, scale, alibi, sinks, left, right, cap_log2, cap_slope):
         row = cuda.grid(1)
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         if row < k.shape[0] * heads_kv * seqlen_kv:
@@ -95,13 +117,17 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal):
                 dk_acc[d] = 0.0
             for d in range(DV):
                 dv_acc[d] = 0.0
-            first = max(0, j - (seqlen_kv - seqlen_q)) if CAUSAL else 0
+            diagonal = seqlen_kv - seqlen_q
+            first, end = max(0, j - diagonal) if CAUSAL else 0, seqlen_q
+            if WINDOW:  # the rows whose window holds key j
+                first, end = max(first, j - right - diagonal), min(end, j + left - diagonal + 1)
             for h in range(h_kv * group, (h_kv + 1) * group):
-                for i in range(first, seqlen_q):
-                    p = math.exp2(scale * LOG2E * dot(q, b, h, i, k, b, h_kv, j, D) - lse2[b, h, i])
+                terms = head_terms(alibi, b, h, left, right, cap_log2, cap_slope)
+                for i in range(first, end):
+                    p, ds = probability_and_gradient(q, k, v, do, lse2, delta, b, h, i, h_kv, j, i + diagonal, scale,
+                                                     terms)
                     for d in range(DV):
                         dv_acc[d] += p * at(do, b, h, i, d)
-                    ds = p * (dot(do, b, h, i, v, b, h_kv, j, DV) - delta[b, h, i])
                     for d in range(D):
                         dk_acc[d] += ds * at(q, b, h, i, d)
             for d in range(D):

@@ -31,6 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
+from .constants import LOG2E_F32
 from .fragments import ldmatrix_lane, load_a, load_a_trans, load_b, load_b_trans
 from .ptx import (
     cp_async_16,
@@ -43,6 +44,7 @@ from .ptx import (
     pack_f16x2,
     st_shared_b32,
 )
+from .score_mods import NO_MODS, crosses_window, score_gradient, window_queries
 from .tiles import NARROW, PAD, key_block, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -50,12 +52,15 @@ _ONE = np.float32(1.0)
 
 
 @functools.lru_cache(maxsize=None)
-def gradient_steps(mtiles, causal, dtype, num_threads):
+def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS):
     """Device functions ``(copy_rows, to_gradients, store_rows, add_dq)`` shared by the tensor-core backward
     kernels with blocks of ``num_threads`` threads, for a warp's accumulator tiles (mma.sync's layout:
     entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``, column ``8n + 2t + e % 2`` of the warp's 16
-    rows; the scores ``s[0, n, e]`` over ``mtiles`` n8 tiles of query columns)."""
+    rows; the scores ``s[0, n, e]`` over ``mtiles`` n8 tiles of query columns), with the score
+    modifications ``mods`` (``score_mods.py``)."""
     MTILES, CAUSAL, NUM_THREADS = mtiles, causal, num_threads
+    WINDOW, ELEMENTWISE = mods.window, mods.elementwise
+    gradient = score_gradient(mods)
     ROW_CHUNKS = 2 * mtiles  # 16-byte chunks of a query tile's lse2 (or delta) row
     narrow = NARROW[dtype]
 
@@ -71,21 +76,40 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
                 cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
 
     @cuda.jit(device=True, forceinline=True)
-    def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t):
+    def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t, terms):
         """Sᵀ into Pᵀ and dPᵀ into dSᵀ, in place, for the warp's keys ``key0 + 0..15`` and the query tile
-        ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta). When ``masked``, keys past the end and keys
-        after a query's causal diagonal get P = 0."""
+        ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta), modified by ``terms`` (``(left, right,
+        cap_log2, cap_slope, slope_log2)``). When ``masked``, keys past the end, after a query's causal
+        diagonal or outside its window get P = 0."""
+        offset = float32(m0 + diagonal + 2 * t) - float32(key0 + g)  # ALiBi's distances, as in the forward
         # two passes: with the mask test inside, every tile would run it as predicated code
         if masked:
             for n in range(MTILES):
                 for e in range(4):
                     col = 8 * n + 2 * t + e % 2
                     key = key0 + g + 8 * (e // 2)
-                    visible = key < seqlen_kv and not (CAUSAL and key > m0 + col + diagonal)
-                    p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
-                    s[0, n, e] = p
-                    dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
-        else:
+                    position = m0 + col + diagonal
+                    visible = key < seqlen_kv and not (CAUSAL and key > position)
+                    if WINDOW:
+                        visible = visible and position - terms[0] <= key <= position + terms[1]
+                    if ELEMENTWISE:  # a masked score may be anything: the gradient is selected, not scaled
+                        distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
+                        p, ds = gradient(s[0, n, e] * scale_log2, dp[0, n, e], rows[0, col], rows[1, col], distance,
+                                         terms)
+                        s[0, n, e] = p if visible else _ZERO
+                        dp[0, n, e] = ds if visible else _ZERO
+                    else:
+                        p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
+                        s[0, n, e] = p
+                        dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
+        elif ELEMENTWISE:
+            for n in range(MTILES):
+                for e in range(4):
+                    col = 8 * n + 2 * t + e % 2
+                    distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
+                    s[0, n, e], dp[0, n, e] = gradient(s[0, n, e] * scale_log2, dp[0, n, e], rows[0, col],
+                                                       rows[1, col], distance, terms)
+        else:  # written out, not through ``gradient``: the bf16 D128 wgmma kernel then spills 4 bytes fewer
             for n in range(MTILES):
                 for e in range(4):
                     col = 8 * n + 2 * t + e % 2
@@ -120,8 +144,10 @@ def gradient_steps(mtiles, causal, dtype, num_threads):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
-    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2)``.
+def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
+    cap_log2, cap_slope)``, the score modifications ``mods`` and their arguments as the forward's (the sinks
+    are in lse2 already: ``sinks`` is unused).
 
     ``q, k, v, do``: 4-D (batch, heads, seq, dim) uint16 bit patterns with a
     contiguous last axis and 16-byte aligned rows; ``lse2``, ``delta``: float32
@@ -154,7 +180,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
-    copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
+    copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
+    WINDOW, ALIBI = mods.window, mods.alibi
 
     @cuda.jit(device=True, forceinline=True)
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
@@ -192,13 +219,16 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
         copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, b, h, m0, seqlen_q, DV)
         copy_rows(tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
 
-    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
+    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+               cap_slope):
         smem = cuda.shared.array(0, uint16)
         smem_f = cuda.shared.array(0, float32)  # the same bytes, for the float32 rows
         heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group = heads // heads_kv
         b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
+        if WINDOW:
+            m_first, m_tiles = window_queries(n0, BLOCK_N, diagonal, seqlen_q, BLOCK_M, left, right)
         n_iters = group * m_tiles  # (query head, query tile) pairs, head-major
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -245,6 +275,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
             cuda.syncthreads()  # and every warp is past the previous tile's dQ, which read dSᵀ
             h = h_kv * group + it // m_tiles
             m0 = m_first + (it % m_tiles) * BLOCK_M
+            terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
             q_s = tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW)
             do_s = tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW)
             rows = tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M)
@@ -259,7 +290,9 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal):
 
             # Pᵀ and dSᵀ in place; entry e of tile n: key g + 8·(e // 2), query column 8n + 2t + e % 2
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)
-            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t)
+            if WINDOW:
+                masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
+            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t, terms)
 
             # dV += Pᵀ dO and dK += dSᵀ Q (B fragments of dO, Q read transposed); dSᵀ to shared memory
             for kk in range(MSTEPS):

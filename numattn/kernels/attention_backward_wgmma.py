@@ -27,10 +27,12 @@ Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligne
 
 import functools
 
+import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
 from .attention_backward_mma import gradient_steps
+from .constants import LOG2E_F32
 from .online_softmax import p_fragments
 from .ptx import (
     SW128_ALIGN,
@@ -54,7 +56,10 @@ from .ptx import (
     wgmma_ss_f16,
     wgmma_wait,
 )
+from .score_mods import NO_MODS, crosses_window, window_queries
 from .tiles import key_block, sw128_cell, tile_copier, tile_view
+
+_ZERO = np.float32(0.0)
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 STAGES = 2
@@ -62,9 +67,10 @@ DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8
 
 
 @functools.lru_cache(maxsize=None)
-def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
-    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2)``, arguments and
-    launch as for ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
+def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS):
+    """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
+    cap_log2, cap_slope)``, arguments, score modifications and launch as for ``backward_mma_kernel``
+    (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
     # each staged dQ row is added by one bulk reduction; every warp issues an equal share of them (a warp
@@ -94,7 +100,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     copy_tile = tile_copier(NUM_THREADS, sw128_cell)
-    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS)
+    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
+    WINDOW, ALIBI = mods.window, mods.alibi
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
 
     @cuda.jit(device=True)
@@ -105,7 +112,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
         copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, b, h, m0, seqlen_q, DV)
         copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
 
-    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2):
+    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+               cap_slope):
         smem = cuda.shared.array(0, uint16)
         start = aligned_start(smem, SW128_ALIGN)
         view = tile_view(smem, start, VIEW_ROWS, 64)
@@ -114,6 +122,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group_size = heads // heads_kv
         b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
+        if WINDOW:
+            m_first, m_tiles = window_queries(n0, BLOCK_N, diagonal, seqlen_q, BLOCK_M, left, right)
         n_iters = group_size * m_tiles  # (query head, query tile) pairs, head-major
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -168,6 +178,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             ds_tile = tile_offsets[0] + 64 * DS_ROW0
             h = h_kv * group_size + it // m_tiles
             m0 = m_first + (it % m_tiles) * BLOCK_M
+            terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
             q_tile = tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS)
             do_tile = tile_offsets[0] + 64 * (DO_ROW0 + stage * DO_ROWS)
             rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
@@ -188,7 +199,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal):
             fence_registers(dp, S_REGS)
 
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and m0 + diagonal < n0 + BLOCK_N - 1)
-            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t)
+            if WINDOW:
+                masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
+            to_gradients(s, dp, rows, scale_log2, masked, n0 + key0, m0, seqlen_kv, diagonal, g, t, terms)
             fragments(p_frag, s)
             fragments(ds_frag, dp)
 

@@ -101,14 +101,18 @@ def _visible(lo, hi, n0, cols, c_lo, c_hi):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _modify(s, c_lo, c_hi, positions, n0, cap, slopes):
+def _modify(s, c_lo, c_hi, positions, n0, cap, slopes, derivative):
     """The visible scores ``s[r, c_lo[r] .. c_hi[r]]`` of keys from ``n0``: ``cap · tanh(s / cap)`` when
-    ``cap > 0``, then ``− slopes[r] · |i − j|`` when ``slopes`` has rows (``i = positions[r]``)."""
+    ``cap > 0``, then ``− slopes[r] · |i − j|`` when ``slopes`` has rows (``i = positions[r]``); where
+    ``derivative`` has rows, the softcap's derivative ``1 − tanh²`` into it."""
     for r in range(s.shape[0]):
         for c in range(c_lo[r], c_hi[r]):
             x = s[r, c]
             if cap > _ZERO:
-                x = cap * math.tanh(x / cap)
+                tanh = math.tanh(x / cap)
+                x = cap * tanh
+                if derivative.shape[0]:
+                    derivative[r, c] = _ONE - tanh * tanh
             if slopes.shape[0]:
                 x -= slopes[r] * abs(positions[r] - (n0 + c))
             s[r, c] = x
@@ -139,14 +143,30 @@ def _fold_tile(s, c_lo, c_hi, v_tile, m_i, l_i, acc):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _probabilities_and_grads(s, dp, c_lo, c_hi, lse, delta):
+def _probabilities_and_grads(s, dp, c_lo, c_hi, lse, delta, derivative):
     """In place, for row ``r``'s keys ``c_lo[r] .. c_hi[r]``: scores ``s`` become ``P = exp(s − lse[r])``
-    and ``dP`` becomes ``dS = P (dP − delta[r])``."""
+    and ``dP`` becomes ``dS = P (dP − delta[r])``, times ``derivative`` (the softcap's) where it has rows."""
     for r in range(c_lo.shape[0]):
         for c in range(c_lo[r], c_hi[r]):
             p = math.exp(s[r, c] - lse[r])
             s[r, c] = p
             dp[r, c] = p * (dp[r, c] - delta[r])
+            if derivative.shape[0]:
+                dp[r, c] *= derivative[r, c]
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _modified_gradients(s, dp, derivative, c_lo, c_hi, r0, n0, seqlen_q, seqlen_kv, cap, slopes, b, h, lse, delta):
+    """The backward's step on a tile of raw scores ``s`` and ``dP`` of rows ``r0 ..`` and keys ``n0 ..``: the
+    forward's softcap and ALiBi bias (``slopes`` ``[batch, heads_kv, rows]``, empty when unused), then P and dS
+    (through the softcap's derivative) as ``_probabilities_and_grads``."""
+    row_slopes = slopes[b, h, r0 : r0 + s.shape[0]] if slopes.shape[0] else slopes[0, 0, :0]
+    if cap > _ZERO or row_slopes.shape[0]:
+        positions = np.empty(s.shape[0], np.int64)
+        for r in range(s.shape[0]):
+            positions[r] = (r0 + r) % seqlen_q + seqlen_kv - seqlen_q
+        _modify(s, c_lo, c_hi, positions, n0, cap, row_slopes, derivative)
+    _probabilities_and_grads(s, dp, c_lo, c_hi, lse, delta, derivative)
 
 
 @njit(cache=True)
@@ -231,7 +251,7 @@ def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, mods, slo
             _gather_tile(k_a, k_b, v, page_table, b, h, n0, cols, k_t, v_tile)
             _scores(q_rows, k_t, cols, scale, s)
             if cap > _ZERO or row_slopes.shape[0]:
-                _modify(s, c_lo, c_hi, positions, n0, cap, row_slopes)
+                _modify(s, c_lo, c_hi, positions, n0, cap, row_slopes, s[:0])
             _fold_tile(s, c_lo, c_hi, v_tile, m_i, l_i, acc)
         for r in range(rows):
             if m_i[r] == _NEG_INF:
@@ -245,9 +265,9 @@ def _attend(q_a, q_b, k_a, k_b, v, page_table, seqlens, scale, causal, mods, slo
 
 
 @njit(cache=True)
-def _keys_seen_by_rows(lo, hi, r0, lse, seqlen_kv, seqlen_q, causal):
-    """``_keys_seen`` (no window) for the backward pass: rows with ``lse`` -inf saw no key and see none here."""
-    _keys_seen(lo, hi, r0, seqlen_kv, seqlen_q, causal, _NO_BOUND, _NO_BOUND)
+def _keys_seen_by_rows(lo, hi, r0, lse, seqlen_kv, seqlen_q, causal, left, right):
+    """``_keys_seen`` for the backward pass: rows with ``lse`` -inf saw no key and see none here."""
+    _keys_seen(lo, hi, r0, seqlen_kv, seqlen_q, causal, left, right)
     first, end = seqlen_kv, 0
     for r in range(lo.shape[0]):
         if lse[r0 + r] == _NEG_INF:
@@ -258,9 +278,11 @@ def _keys_seen_by_rows(lo, hi, r0, lse, seqlen_kv, seqlen_q, causal):
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _backward_kv(q, k, v, do, lse, delta, scale, causal, seqlen_q, dk, dv):
+def _backward_kv(q, k, v, do, lse, delta, scale, causal, mods, slopes, seqlen_q, dk, dv):
     """``dk``, ``dv`` ``[batch, heads_kv, seqlen_kv, D / Dv]``: one work item per (KV head, key tile), over
-    all rows of ``q``, ``do`` ``[batch, heads_kv, rows, D / Dv]`` (``lse``, ``delta`` ``[batch, heads_kv, rows]``)."""
+    all rows of ``q``, ``do`` ``[batch, heads_kv, rows, D / Dv]`` (``lse``, ``delta`` ``[batch, heads_kv, rows]``),
+    with the score modifications ``mods`` and ``slopes`` of ``_attend``."""
+    left, right, cap = mods
     batch, heads_kv, rows_all, head_dim = q.shape
     seqlen_kv, head_dim_v = k.shape[2], v.shape[3]
     tiles = -(-seqlen_kv // BLOCK_N)
@@ -275,15 +297,17 @@ def _backward_kv(q, k, v, do, lse, delta, scale, causal, seqlen_q, dk, dv):
         lo, hi = np.empty(BLOCK_M, np.int64), np.empty(BLOCK_M, np.int64)
         c_lo, c_hi = np.empty(BLOCK_M, np.int64), np.empty(BLOCK_M, np.int64)
         s, dp = np.empty((BLOCK_M, BLOCK_N), np.float32), np.empty((BLOCK_M, BLOCK_N), np.float32)
+        derivative = np.empty((BLOCK_M if cap > _ZERO else 0, BLOCK_N), np.float32)
         for r0 in range(0, rows_all, BLOCK_M):
             rows = min(BLOCK_M, rows_all - r0)
-            _keys_seen_by_rows(lo[:rows], hi[:rows], r0, lse[b, h], seqlen_kv, seqlen_q, causal)
+            _keys_seen_by_rows(lo[:rows], hi[:rows], r0, lse[b, h], seqlen_kv, seqlen_q, causal, left, right)
             if _visible(lo[:rows], hi[:rows], n0, cols, c_lo[:rows], c_hi[:rows]) == 0:
                 continue
             q_rows, do_rows = q[b, h, r0 : r0 + rows], do[b, h, r0 : r0 + rows]
             _scores(q_rows, k_t, cols, scale, s)
             _scores(do_rows, v_t, cols, _ONE, dp)
-            _probabilities_and_grads(s, dp, c_lo[:rows], c_hi[:rows], lse[b, h, r0:], delta[b, h, r0:])
+            _modified_gradients(s[:rows], dp[:rows], derivative[:rows], c_lo[:rows], c_hi[:rows], r0, n0, seqlen_q,
+                                seqlen_kv, cap, slopes, b, h, lse[b, h, r0:], delta[b, h, r0:])
             for r in range(rows):
                 for c in range(c_lo[r], c_hi[r]):
                     for e in range(head_dim_v):
@@ -298,9 +322,10 @@ def _backward_kv(q, k, v, do, lse, delta, scale, causal, seqlen_q, dk, dv):
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _backward_q(q, k, v, do, lse, delta, scale, causal, seqlen_q, dq):
+def _backward_q(q, k, v, do, lse, delta, scale, causal, mods, slopes, seqlen_q, dq):
     """``dq`` ``[batch, heads_kv, rows, D]`` (arguments as ``_backward_kv``): one work item per
     (KV head, ``BLOCK_M`` rows), over the keys they see."""
+    left, right, cap = mods
     batch, heads_kv, rows_all, head_dim = q.shape
     seqlen_kv, head_dim_v = k.shape[2], v.shape[3]
     chunks = -(-rows_all // BLOCK_M)
@@ -310,9 +335,10 @@ def _backward_q(q, k, v, do, lse, delta, scale, causal, seqlen_q, dq):
         rows = min(BLOCK_M, rows_all - r0)
         lo, hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
         c_lo, c_hi = np.empty(rows, np.int64), np.empty(rows, np.int64)
-        first, end = _keys_seen_by_rows(lo, hi, r0, lse[b, h], seqlen_kv, seqlen_q, causal)
+        first, end = _keys_seen_by_rows(lo, hi, r0, lse[b, h], seqlen_kv, seqlen_q, causal, left, right)
         k_t, v_t = np.empty((head_dim, BLOCK_N), np.float32), np.empty((head_dim_v, BLOCK_N), np.float32)
         s, dp = np.empty((rows, BLOCK_N), np.float32), np.empty((rows, BLOCK_N), np.float32)
+        derivative = np.empty((rows if cap > _ZERO else 0, BLOCK_N), np.float32)
         dq_acc = np.zeros((rows, head_dim), np.float32)
         q_rows, do_rows = q[b, h, r0 : r0 + rows], do[b, h, r0 : r0 + rows]
         for n0 in range(first, end, BLOCK_N):
@@ -322,7 +348,8 @@ def _backward_q(q, k, v, do, lse, delta, scale, causal, seqlen_q, dq):
             _transpose(v[b, h, n0:], cols, v_t)
             _scores(q_rows, k_t, cols, scale, s)
             _scores(do_rows, v_t, cols, _ONE, dp)
-            _probabilities_and_grads(s, dp, c_lo, c_hi, lse[b, h, r0:], delta[b, h, r0:])
+            _modified_gradients(s, dp, derivative, c_lo, c_hi, r0, n0, seqlen_q, seqlen_kv, cap, slopes, b, h,
+                                lse[b, h, r0:], delta[b, h, r0:])
             for r in range(rows):
                 for c in range(c_lo[r], c_hi[r]):
                     for d in range(head_dim):
@@ -390,12 +417,9 @@ def _paged_attention(q, q_pe, k_pages, kpe_pages, v_pages, page_table, seqlens, 
              "page_table must be [batch, max_pages] and seqlens [batch]")
     rows = heads_q // heads_kv * seqlen_q
 
-    def per_row(x):  # [..., heads_q] -> [..., heads_kv, rows]: each head's value on each of its rows
-        x = np.broadcast_to(_host(x)[..., None], (*x.shape, seqlen_q))
-        return np.ascontiguousarray(x.reshape(*x.shape[:-2], heads_kv, rows))
-
-    slopes = np.empty((0, 0, 0), np.float32) if slopes is None else per_row(np.broadcast_to(slopes, (batch, heads_q)))
-    sinks = np.empty((0, 0), np.float32) if sinks is None else per_row(sinks)
+    slopes = (np.empty((0, 0, 0), np.float32) if slopes is None
+              else _per_row(np.broadcast_to(_host(slopes), (batch, heads_q)), heads_kv, seqlen_q))
+    sinks = np.empty((0, 0), np.float32) if sinks is None else _per_row(_host(sinks), heads_kv, seqlen_q)
     o = np.empty((batch, heads_q, seqlen_q, head_dim_v), np.float32)
     lse = np.empty((batch, heads_q, seqlen_q), np.float32)
     left, right, cap = mods
@@ -404,6 +428,13 @@ def _paged_attention(q, q_pe, k_pages, kpe_pages, v_pages, page_table, seqlens, 
             (int(left), int(right), np.float32(cap)), slopes, sinks, seqlen_q, _row_chunk(rows, batch * heads_kv),
             o.reshape(batch, heads_kv, rows, head_dim_v), lse.reshape(batch, heads_kv, rows))
     return o, lse
+
+
+def _per_row(x, heads_kv, seqlen_q):
+    """``[..., heads_q]`` values as ``[..., heads_kv, rows]``: each query head's value on each of its rows (the
+    rows of a KV head are its query heads' tokens, head after head)."""
+    x = np.broadcast_to(x[..., None], (*x.shape, seqlen_q))
+    return np.ascontiguousarray(x.reshape(*x.shape[:-2], heads_kv, -1))
 
 
 def _no_dims(x):
@@ -435,13 +466,14 @@ def attention_forward(q, k, v, scale, causal, window=None, softcap=None, alibi_s
                             alibi_slopes, sinks)
 
 
-def attention_backward(q, k, v, o, lse, do, scale, causal):
+def attention_backward(q, k, v, o, lse, do, scale, causal, window=None, softcap=None, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of ``attention_forward``'s ``o`` (FlashAttention-2's backward pass).
 
-    ``q``, ``k``, ``v``, ``scale``, ``causal`` as ``attention_forward``; ``o`` and ``do``
-    ``[batch, heads_q, seqlen_q, head_dim_v]``, ``lse`` ``[batch, heads_q, seqlen_q]`` its results and
-    the output gradient. Returns float32 arrays shaped like ``q``, ``k``, ``v``; ``dk`` and ``dv``
-    sum over the query heads of each KV head's group. Rows with ``lse`` -inf contribute nothing.
+    ``q``, ``k``, ``v``, ``scale``, ``causal`` and the score modifications as ``attention_forward``
+    (sinks need nothing here: they are in ``lse``); ``o`` and ``do`` ``[batch, heads_q, seqlen_q,
+    head_dim_v]``, ``lse`` ``[batch, heads_q, seqlen_q]`` its results and the output gradient. Returns
+    float32 arrays shaped like ``q``, ``k``, ``v``; ``dk`` and ``dv`` sum over the query heads of each
+    KV head's group. Rows with ``lse`` -inf contribute nothing.
     """
     q, k, v, o, lse, do = (_host(x) for x in (q, k, v, o, lse, do))
     batch, heads_q, seqlen_q, head_dim = q.shape
@@ -455,11 +487,14 @@ def attention_backward(q, k, v, o, lse, do, scale, causal):
     def by_kv_head(x):
         return x.reshape(batch, heads_kv, rows, *x.shape[3:])
 
+    left, right = window or (_NO_BOUND, _NO_BOUND)
+    slopes = (np.empty((0, 0, 0), np.float32) if alibi_slopes is None
+              else _per_row(np.broadcast_to(_host(alibi_slopes), (batch, heads_q)), heads_kv, seqlen_q))
     delta = (do * o).sum(axis=-1, dtype=np.float32)
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     if q.size and k.size:
         args = (by_kv_head(q), k, v, by_kv_head(do), by_kv_head(lse), by_kv_head(delta), np.float32(scale),
-                bool(causal), seqlen_q)
+                bool(causal), (int(left), int(right), np.float32(softcap or 0.0)), slopes, seqlen_q)
         _backward_kv(*args, dk, dv)
         _backward_q(*args, by_kv_head(dq))
     return dq, dk, dv

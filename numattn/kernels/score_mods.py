@@ -15,6 +15,7 @@ any is the plain kernel) and takes their values at launch, after ``scale_log2``:
   and sum start from the sink instead of ``(-inf, 0)``.
 """
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,3 +74,37 @@ def crosses_window(n0, cols, m0, rows, diagonal, left, right):
     see under the window (its left edge passes the last row's first key, or its right edge the first
     row's last key)."""
     return n0 < m0 + rows - 1 + diagonal - left or n0 + cols - 1 > m0 + diagonal + right
+
+
+@cuda.jit(device=True, forceinline=True)
+def window_queries(n0, cols, diagonal, seqlen_q, block_m, left, right):
+    """``(m_first, m_tiles)``: the query tiles of ``block_m`` rows (from a multiple of it) holding a row that sees
+    one of the ``cols`` keys from ``n0`` under the window (row ``i`` at position ``i + diagonal``)."""
+    m_first = max(0, n0 - right - diagonal) // block_m * block_m
+    m_end = min(seqlen_q, n0 + cols + left - diagonal)
+    return m_first, max(0, -(-(m_end - m_first) // block_m))
+
+
+@functools.lru_cache(maxsize=None)
+def score_gradient(mods):
+    """Device function ``gradient(x, dp, lse2, delta, distance, terms) -> (P, dS)`` of the backward: a scaled
+    score ``x`` (log2 domain) modified as the forward did (softcap, then ALiBi's bias for a query and key
+    ``distance`` apart; ``terms`` ``(left, right, cap_log2, cap_slope, slope_log2)``), its probability
+    against the row's ``lse2``, and ``dS = P (dP − delta)`` through the softcap's derivative ``1 − tanh²``."""
+    SOFTCAP, ALIBI = mods.softcap, mods.alibi
+
+    @cuda.jit(device=True, forceinline=True)
+    def gradient(x, dp, lse2, delta, distance, terms):
+        if SOFTCAP:
+            x = softcapped(x, terms[2], terms[3])
+        capped = x
+        if ALIBI:
+            x -= terms[4] * distance
+        p = ex2_approx(x - lse2)
+        ds = p * (dp - delta)
+        if SOFTCAP:
+            tanh = capped / terms[2]
+            ds *= _ONE - tanh * tanh
+        return p, ds
+
+    return gradient

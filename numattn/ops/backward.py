@@ -31,6 +31,8 @@ from ..kernels.attention_backward_wgmma import backward_wgmma_kernel
 from ..kernels.compile_ahead import KernelSpec, compile_ahead, enabled
 from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
+from ..kernels.score_mods import NO_MODS
+from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
 
@@ -56,24 +58,25 @@ def _copyable_rows(x):
     return x if aligned else x.contiguous()
 
 
-def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None):
+def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS):
     """The backward's kernel ``name``: ``"rows"`` (delta and the log2-domain LSE of each query row), ``"dq"``
-    and ``"dkdv"`` (CUDA cores), or ``"tiles"``, the tensor-core kernel of ``config``."""
+    and ``"dkdv"`` (CUDA cores), or ``"tiles"``, the tensor-core kernel of ``config``; with the score
+    modifications ``mods``."""
     if name == "tiles":
-        return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal)
-    rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal)
+        return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal, mods)
+    rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal, mods)
     return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
 
 
 @functools.lru_cache(maxsize=64)
-def _backward_specs(dtype, head_dim, head_dim_v, causal, config):
+def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS):
     """``{name: KernelSpec}`` of the kernels a backward of these operands launches (``config`` None: on CUDA
-    cores): their argument types (each array's storage dtype and rank, then the float32 scalars) are
-    those of the tensors ``attention_backward`` passes. Built once per operand kind, not per backward
-    call."""
+    cores): their argument types (each array's storage dtype and rank, then the float32 scalars, then
+    but for ``rows`` the score modifications' arguments) are those of the tensors ``attention_backward``
+    passes. Built once per operand kind, not per backward call."""
     storage, f32 = storage_dtype(dtype), np.dtype(np.float32)
     grads = storage if config is not None else f32  # dk and dv: the inputs' dtype on tensor cores
-    what = f"{dtype} d={head_dim}/{head_dim_v} causal={causal}"
+    what = f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
@@ -84,8 +87,14 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config):
     names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows")
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
               "tiles": f"backward {config} {what}"}
-    return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config),
-                             _argtypes(*arrays[name]), labels[name]) for name in names}
+    return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods),
+                             _argtypes(*arrays[name]) + (_MOD_TYPES if name != "rows" else ()), labels[name])
+            for name in names}
+
+
+# the score modifications' arguments: alibi [B, Hq], sinks [Hq], left, right, cap_log2, cap_slope
+_MOD_TYPES = (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, "A"), types.int64, types.int64,
+              types.float32, types.float32)
 
 
 def _argtypes(arrays, scalars):
@@ -95,49 +104,65 @@ def _argtypes(arrays, scalars):
 
 
 @functools.lru_cache(maxsize=64)
-def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device):
-    """Start compiling, in a worker process, the kernels a backward of these operands will launch on GPU
-    ``device`` (``numattn.torch.attention`` calls it before its forward, which compiles meanwhile)."""
+def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device, mods=NO_MODS):
+    """Start compiling, in a worker process, the kernels a backward of these operands (and score modifications
+    ``mods``) will launch on GPU ``device`` (``numattn.torch.attention`` calls it before its forward, which
+    compiles meanwhile)."""
     if enabled():
         config = backward_config(dtype, head_dim, head_dim_v, device)
-        compile_ahead(_backward_specs(dtype, head_dim, head_dim_v, causal, config).values(), device)
+        compile_ahead(_backward_specs(dtype, head_dim, head_dim_v, causal, config, mods).values(), device)
 
 
-def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream):
-    """Launch the kernel of ``spec`` on ``(*arrays, *scalars)``: torch tensors (16-bit floats as uint16
-    storage) and float32 scalars."""
+def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None):
+    """Launch the kernel of ``spec`` on ``(*arrays, *scalars)`` and, given ``mods`` ``(mod_arrays, mod_scalars)``,
+    ``(*mod_arrays, *mod_scalars)`` after them: torch tensors (16-bit floats as uint16 storage), float32
+    scalars, the score modifications' ints and float32s."""
+    mod_arrays, mod_scalars = mods or ((), ())
     if SIMULATOR:
-        views = [host_storage(x, describe(x, "array")) for x in arrays]
-        compiled(spec.factory(*spec.args), None, 0, shared_bytes, spec.label).launch_arrays(grid, threads, *views,
-                                                                                           *scalars)
+        views = [host_storage(x, describe(x, "array")) for x in (*arrays, *mod_arrays)]
+        compiled(spec.factory(*spec.args), None, 0, shared_bytes, spec.label).launch_arrays(
+            grid, threads, *views[:len(arrays)], *scalars, *views[len(arrays):], *mod_scalars)
         return
     layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
-    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, arrays[0].device.index)
-    launch(stream, *(x.data_ptr() for x in arrays))
+    mod_layout = tuple((tuple(x.shape), x.stride()) for x in mod_arrays)
+    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, mod_layout, tuple(mod_scalars),
+                       arrays[0].device.index)
+    launch(stream, *(x.data_ptr() for x in (*arrays, *mod_arrays)))
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(spec, grid, threads, shared_bytes, layout, scalars, device):
+def _prepared(spec, grid, threads, shared_bytes, layout, scalars, mod_layout, mod_scalars, device):
     """The prepared launch of ``spec``'s kernel on arrays of ``layout`` (shape and strides of each, their
-    types those of ``spec``) and ``scalars``, built once per training shape rather than on every backward
-    call."""
+    types those of ``spec``), ``scalars``, then arrays of ``mod_layout`` and ``mod_scalars``, built once per
+    training shape rather than on every backward call."""
     launcher = compiled(spec.factory(*spec.args), spec.argtypes, device, shared_bytes, spec.label)
-    itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes[:len(layout)]]
-    fields, slots = array_fields([(shape, strides, size) for (shape, strides), size in zip(layout, itemsizes, strict=True)])
-    return launcher.prepare(grid, threads, fields + list(scalars), slots)
+    itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes if isinstance(t, types.Array)]
+
+    def fields_of(layouts, sizes):
+        return array_fields([(shape, strides, size) for (shape, strides), size in zip(layouts, sizes, strict=True)])
+
+    fields, slots = fields_of(layout, itemsizes[:len(layout)])
+    fields += list(scalars)
+    mod_fields, mod_slots = fields_of(mod_layout, itemsizes[len(layout):])
+    return launcher.prepare(grid, threads, fields + mod_fields + list(mod_scalars),
+                            slots + [len(fields) + slot for slot in mod_slots])
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal, scale):
+def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS, alibi=None, sinks=None):
     """``(dq, dk, dv)`` for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o, do`` of one dtype
     (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: dq in float32, dk and dv in the
-    inputs' dtype on tensor cores and in float32 on CUDA cores."""
+    inputs' dtype on tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated
+    score modifications (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors."""
     import torch
 
     if SIMULATOR and not simulating():  # no GPU: the CPU path
-        grads = cpu.attention_backward(*(x.detach().float().numpy() for x in (q, k, v, o, lse, do)), scale, causal)
+        host = [None if x is None else x.detach().float().numpy() for x in (q, k, v, o, lse, do, alibi)]
+        grads = cpu.attention_backward(*host[:6], scale, causal, options.window, options.softcap, host[6])
         return tuple(torch.from_numpy(g) for g in grads)
     if not SIMULATOR and not q.is_cuda:  # host tensors on a GPU machine: computed on the GPU, as the forward is
-        grads = attention_backward(*(x.cuda() for x in (q, k, v, o, lse, do)), causal=causal, scale=scale)
+        moved = [None if x is None else x.cuda() for x in (q, k, v, o, lse, do, alibi, sinks)]
+        grads = attention_backward(*moved[:6], causal=causal, scale=scale, options=options, alibi=moved[6],
+                                   sinks=moved[7])
         return tuple(g.cpu() for g in grads)
     dtype = str(q.dtype).removeprefix("torch.")
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
@@ -145,7 +170,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
     heads_kv, seqlen_kv = k.shape[1:3]
     config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
-    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config)
+    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods)
+    unused = torch.zeros(1, dtype=torch.float32, device=q.device)
+    mods = ((unused[None] if alibi is None else alibi.float().expand(batch, heads),
+             unused if sinks is None else sinks.float()), tuple(options.scalars()))
 
     # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
     rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
@@ -159,14 +187,14 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale):
         dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         _launch(specs["dq"], rows_grid(q.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dq),
-                (np.float32(scale),), stream)
+                (np.float32(scale),), stream, mods)
         _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dk, dv),
-                (np.float32(scale),), stream)
+                (np.float32(scale),), stream, mods)
         return dq, dk, dv
     q, k, v, do = (_copyable_rows(x) for x in (q, k, v, do))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the kernel adds each key tile's share
     dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
-            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream)
+            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream, mods)
     return dq, dk, dv
