@@ -28,7 +28,7 @@ from numba import float32
 
 from .._cuda import cuda
 from .constants import LN2_F32, LOG2E_F32
-from .score_mods import NO_MODS, softcapped, window_span
+from .score_mods import NO_MODS, window_span
 from .tiles import NARROW, WIDEN, query_block, tile_view
 
 _NEG_INF = np.float32(-np.inf)
@@ -137,8 +137,8 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                 row_max = _NEG_INF
                 for j in range(COLS):
                     col = n0 + tn + j * THREADS_N
-                    if SOFTCAP:
-                        s[i, j] = softcapped(s[i, j], cap_log2, cap_slope)
+                    if SOFTCAP:  # libdevice's tanh: this kernel is float32's, where ex2 and rcp approximations show
+                        s[i, j] = cap_log2 * math.tanh(s[i, j] / cap_log2)
                     if ALIBI:
                         s[i, j] -= slope_log2 * float32(abs(position - col))
                     if col >= seqlen_kv or (CAUSAL and col > position):
