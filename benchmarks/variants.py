@@ -1,6 +1,6 @@
 """Attention variants on one GPU: numattn's sliding window, softcap, ALiBi and sinks against FlexAttention.
 
-    python benchmarks/variants.py [--json PATH] [--no-flex]
+    python benchmarks/variants.py [--json PATH] [--no-flex] [--training]
 
 Forward passes, bf16, default arguments, on fresh random inputs; each timed as the median of CUDA-event
 timings with the L2 cache flushed, after the GPU's clocks are warmed, the contenders in turns over five
@@ -13,6 +13,8 @@ rounds.
   B4 H16 L8192 D128: causal; causal with a window of 1024; causal with softcap 30; causal with ALiBi;
   causal with sinks (numattn only: FlexAttention has no sinks). The best SDPA backend's causal time
   (cuDNN included) is given for scale.
+* ``--training``: the same comparison for a training step, ``numattn.torch.attention`` forward and
+  backward (gradients of q, k and v) against FlexAttention's, three rounds.
 """
 
 import argparse
@@ -40,8 +42,38 @@ def timed_in_turns(torch, calls, rounds=5):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def training_rows(torch, q, k, v, slopes, cases, flex):
+    """``[{case, numattn_ms, flex_ms}]`` of forward + backward steps of each case (``cases``: name -> options,
+    ``flex``: name -> FlexAttention forward call), q, k, v made leaves."""
+    import numattn.torch as numattn_torch
+
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    do = torch.randn_like(q)
+
+    def step(forward):
+        def run():
+            for x in leaves:
+                x.grad = None
+            forward().backward(do)
+        return run
+
+    calls = {}
+    for case, options in cases.items():
+        calls[f"numattn {case}"] = step(lambda options=options: numattn_torch.attention(*leaves, **options))
+        if case in flex:
+            calls[f"flex {case}"] = step(lambda case=case: flex[case](*leaves))
+    for call in calls.values():  # compiled outside the timed turns
+        call()
+    times = timed_in_turns(torch, calls, rounds=3)
+    rows = [{"case": f"B4 H16 L8192 D128 bf16, forward + backward, {case}", "numattn_ms": times[f"numattn {case}"],
+             "flex_ms": times.get(f"flex {case}")} for case in cases]
+    for row in rows:
+        row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
+    return rows
+
+
 def flex_calls(torch, q, k, v, slopes):
-    """FlexAttention's calls of the comparison's cases, compiled once each (``{case: call}``)."""
+    """FlexAttention's calls of the comparison's cases, compiled once each (``{case: call(q, k, v)}``)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
@@ -61,10 +93,10 @@ def flex_calls(torch, q, k, v, slopes):
 
     masks = {mask: create_block_mask(mask, None, None, seqlen, seqlen) for mask in (causal, window)}
     return {
-        "causal": lambda: flex(q, k, v, block_mask=masks[causal]),
-        "causal, window 1024": lambda: flex(q, k, v, block_mask=masks[window]),
-        "causal, softcap 30": lambda: flex(q, k, v, score_mod=softcap, block_mask=masks[causal]),
-        "causal, ALiBi": lambda: flex(q, k, v, score_mod=alibi, block_mask=masks[causal]),
+        "causal": lambda q, k, v: flex(q, k, v, block_mask=masks[causal]),
+        "causal, window 1024": lambda q, k, v: flex(q, k, v, block_mask=masks[window]),
+        "causal, softcap 30": lambda q, k, v: flex(q, k, v, score_mod=softcap, block_mask=masks[causal]),
+        "causal, ALiBi": lambda q, k, v: flex(q, k, v, score_mod=alibi, block_mask=masks[causal]),
     }
 
 
@@ -72,6 +104,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows and the run's facts to this file")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
+    parser.add_argument("--training", action="store_true", help="also time forward + backward steps")
     args = parser.parse_args(argv)
 
     import torch
@@ -109,8 +142,8 @@ def main(argv=None):
     }
     contenders = {f"numattn {case}": (lambda options=options: numattn.attention(q, k, v, **options))
                   for case, options in cases.items()}
-    if not args.no_flex:
-        contenders.update({f"flex {case}": call for case, call in flex_calls(torch, q, k, v, slopes).items()})
+    flex = {} if args.no_flex else flex_calls(torch, q, k, v, slopes)
+    contenders.update({f"flex {case}": (lambda call=call: call(q, k, v)) for case, call in flex.items()})
     for call in contenders.values():  # compiled outside the timed turns
         call()
     times = timed_in_turns(torch, contenders)
@@ -127,6 +160,11 @@ def main(argv=None):
         rows.append(row)
         flex = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
         print(f"{case:22} numattn {row['numattn_ms']:.3f} ms   {flex}", flush=True)
+    if args.training:
+        for row in training_rows(torch, q, k, v, slopes, cases, flex):
+            rows.append(row)
+            flex_ms = f"flex {row['flex_ms']:.3f} ms" if row["flex_ms"] else "flex -"
+            print(f"{row['case']:60} numattn {row['numattn_ms']:.3f} ms   {flex_ms}", flush=True)
     if args.json:
         facts = dict(run_facts(torch), command=" ".join(["python", "benchmarks/variants.py", *sys.argv[1:]]))
         Path(args.json).write_text(json.dumps({"run": facts, "rows": rows}, indent=1) + "\n")
