@@ -110,12 +110,13 @@ def test_a_window_wider_than_the_sequence_changes_nothing(rng):
 
 def test_plans_of_torch_tensors_keep_their_options_apart(rng, fresh_plans):
     """Cached plans are keyed by the options: calls that differ only in the window, the softcap or whether
-    there are sinks get their own results."""
+    there are sinks get their own results; numpy slopes beside torch tensors take the slower key."""
     torch = pytest.importorskip("torch")
     q, k, v = (torch.from_numpy(x) for x in random_qkv(rng, 1, 2, 1, 24, 24, 16))
     sinks = torch.tensor([1.0, 2.0])
+    numpy_slopes = np.array([0.5, 0.25], np.float32)  # host arrays of another library beside torch's
     for options in (dict(window=(2, 0)), dict(window=(5, 0)), dict(softcap=1.0), dict(softcap=1.0, sinks=sinks),
-                    dict()):
+                    dict(alibi_slopes=numpy_slopes), dict()):
         for _ in range(2):  # planned, then from the cache
             o = numattn.attention(q, k, v, causal=True, **options)
             ref_o = reference.attention(q, k, v, causal=True, **options)

@@ -456,11 +456,8 @@ def _key(q, k, v, out, causal, scale, layout, return_lse, options):
         (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
-        options if options == _NO_OPTION_ARGS else _options_key(*options),
+        _options_key(*options),
     )
-
-
-_NO_OPTION_ARGS = (None, None, None, None)
 
 
 def _options_key(window, softcap, alibi_slopes, sinks):
@@ -469,6 +466,8 @@ def _options_key(window, softcap, alibi_slopes, sinks):
     def array(x):
         return None if x is None else (x.__class__, x.dtype, x.shape, x.stride(), x.device)
 
+    if window is None and softcap is None and alibi_slopes is None and sinks is None:
+        return None
     window_key = window if window is None else (window.__class__, *((side.__class__, side) for side in window))
     return window_key, softcap.__class__, softcap, array(alibi_slopes), array(sinks)
 
