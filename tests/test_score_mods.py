@@ -208,34 +208,13 @@ def test_decode_plan_binds_the_slopes_and_sinks(rng):
         sinks += 1
 
 
-def float64_training_step(q, k, v, do, causal, window, softcap, alibi_slopes, sinks, scale=None):
+def float64_training_step(q, k, v, do, causal, window, softcap, alibi_slopes, sinks):
     """The float64 gradients ``[dq, dk, dv(, dsinks)]`` of the attention with the options, by torch autograd."""
-    import torch
-
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
     if sinks is not None:
         leaves.append(sinks.detach().double().requires_grad_())
-    group = q.shape[1] // k.shape[1]
-    keys, values = (x.repeat_interleave(group, dim=1) for x in leaves[1:3])
-    sq, sk = q.shape[2], k.shape[2]
-    scores = (leaves[0] @ keys.transpose(-1, -2)) * (scale or q.shape[-1] ** -0.5)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-    j = torch.arange(sk, device=q.device)[None, :]
-    if alibi_slopes is not None:
-        scores = scores - alibi_slopes.double()[..., None, None] * (i - j).abs()
-    left, right = window or (-1, -1)
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal or right not in (None, -1):
-        visible &= j <= i + (0 if causal else right)
-    if left not in (None, -1):
-        visible &= j >= i - left
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, leaves[3][None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
-    p = torch.softmax(scores, dim=-1).nan_to_num()
-    (p[..., :sk] @ values).backward(do.double())
+    torch_attention(*leaves[:3], causal, window, softcap, alibi_slopes, leaves[3] if sinks is not None else None
+                    ).backward(do.double())
     return [x.grad for x in leaves]
 
 
@@ -282,9 +261,11 @@ def test_gradients_with_options(rng, path, dtype, head_dim):
             check_gradients(q, k, v, do, options, slopes, sinks, atol)
 
 
-def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sinks):
-    """The same attention computed by torch in the inputs' dtype (scores, softcap, bias and P rounded to it):
-    the error of an ordinary low-precision implementation, which flash-attn's tests allow twice of."""
+def torch_attention(q, k, v, causal, window, softcap, alibi_slopes, sinks):
+    """The attention with the options computed by torch in the inputs' dtype (scores, softcap, ALiBi's bias
+    and P rounded to it; the bias computed in at least float32): in float64 the reference of the
+    gradients, in 16 bits the error of an ordinary low-precision implementation, which flash-attn's tests
+    allow twice of."""
     import torch
 
     group = q.shape[1] // k.shape[1]
@@ -296,7 +277,8 @@ def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sink
     i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
     j = torch.arange(sk, device=q.device)[None, :]
     if alibi_slopes is not None:
-        scores = scores - (alibi_slopes[..., None, None] * (i - j).abs()).to(q.dtype)
+        slopes = alibi_slopes.to(torch.promote_types(q.dtype, torch.float32))
+        scores = scores - (slopes[..., None, None] * (i - j).abs()).to(q.dtype)
     left, right = window or (-1, -1)
     visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal or right not in (None, -1):
@@ -304,7 +286,7 @@ def low_precision_reference(q, k, v, causal, window, softcap, alibi_slopes, sink
     if left not in (None, -1):
         visible &= j >= i - left
     scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
+    if sinks is not None:  # a column with no value row
         sink_column = sinks.to(q.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink_column], dim=-1)
     p = torch.softmax(scores, dim=-1).nan_to_num()
@@ -341,7 +323,7 @@ def test_on_gpu_against_float64_and_low_precision(rng, dtype, shape):
     for options in option_sets:
         options = dict(dict(causal=False, window=None, softcap=None, alibi_slopes=None, sinks=None), **options)
         ref_o = reference.attention(q, k, v, **options)
-        low_error = max_error(low_precision_reference(q, k, v, **options).float(), ref_o)
+        low_error = max_error(torch_attention(q, k, v, **options).float(), ref_o)
         ulp = float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
         runs = [numattn.attention(q, k, v, **options)]
         if dtype != "float32" and head_dim <= 128:
