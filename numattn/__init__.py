@@ -11,12 +11,13 @@ from .ops.decode import DecodePlan, decode, decode_plan, paged_decode, paged_dec
 from .ops.merge import merge_states
 from .ops.mla import mla_decode
 from .ops.pages import csr_page_table
+from .ops.varlen import attention_varlen
 from .precompile import Workload, precompile
 from .search import bfloat16, float16, float32, new_kernel_graph, superoptimize
 from .search.functional import tune
 
 __all__ = [
-    "attention", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "simulate", "__version__",
+    "attention", "attention_varlen", "decode", "paged_decode", "decode_plan", "paged_decode_plan", "DecodePlan", "mla_decode", "merge_states", "csr_page_table", "reference", "SIMULATOR", "simulate", "__version__",
     "new_kernel_graph", "superoptimize", "float16", "bfloat16", "float32", "tune", "precompile", "Workload",
 ]
 

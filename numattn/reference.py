@@ -70,6 +70,42 @@ def attention(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=
     return o, np.where(seen[..., 0], lse, -np.inf)
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, causal=False,
+                     window=None, softcap=None, alibi_slopes=None, sinks=None, scale=None, return_lse=False,
+                     page_table=None, seqused_k=None):
+    """``numattn.attention_varlen`` in float64: each sequence of the packed batch through ``attention``
+    (``max_seqlen_q`` and ``max_seqlen_k`` are not needed). Returns ``o`` ``[total_q, heads_q, head_dim_v]``
+    and with ``return_lse`` also ``lse`` ``[heads_q, total_q]``."""
+    q, k, v = (to_float64(x) for x in (q, k, v))
+    cu_q = [int(n) for n in to_float64(cu_seqlens_q)]
+    cu_k = None if cu_seqlens_k is None else [int(n) for n in to_float64(cu_seqlens_k)]
+    used = None if seqused_k is None else [int(n) for n in to_float64(seqused_k)]
+    batch, heads_q, head_dim_v = len(cu_q) - 1, q.shape[1], v.shape[-1]
+    slopes = None if alibi_slopes is None else np.broadcast_to(to_float64(alibi_slopes), (batch, heads_q))
+    o = np.zeros((q.shape[0], heads_q, head_dim_v))
+    lse = np.full((heads_q, q.shape[0]), -np.inf)
+    for b in range(batch):
+        if page_table is not None:
+            n = used[b] if used is not None else cu_k[b + 1] - cu_k[b]
+            pages = np.asarray(to_float64(page_table), np.int64)[b, : -(-n // k.shape[1])]
+            keys, values = (np.concatenate([x[p] for p in pages])[:n] if n else x[0, :0] for x in (k, v))
+        else:
+            n = cu_k[b + 1] - cu_k[b] if used is None else min(used[b], cu_k[b + 1] - cu_k[b])
+            keys, values = k[cu_k[b] : cu_k[b] + n], v[cu_k[b] : cu_k[b] + n]
+        rows = slice(cu_q[b], cu_q[b + 1])
+        if rows.stop == rows.start:
+            continue
+        if n == 0:  # no key: the output is 0, the LSE the sink's logit or -inf
+            if sinks is not None:
+                lse[:, rows] = to_float64(sinks)[:, None]
+            continue
+        o_b, lse_b = attention(q[None, rows], keys[None], values[None], causal=causal, window=window, softcap=softcap,
+                               alibi_slopes=None if slopes is None else slopes[b : b + 1], sinks=sinks, scale=scale,
+                               layout="bshd", return_lse=True)
+        o[rows], lse[:, rows] = o_b[0], lse_b[0]
+    return (o, lse) if return_lse else o
+
+
 def decode(q, k_cache, v_cache, *, seqlens=None, scale=None, window=None, softcap=None, alibi_slopes=None, sinks=None,
            layout="bhsd", return_lse=False):
     """``numattn.decode`` in float64: each sequence's new tokens against its first ``seqlens[b]`` keys, with the

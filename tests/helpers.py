@@ -53,6 +53,38 @@ def max_error(actual, expected, rounded_to=None):
     return float(error.max())
 
 
+def torch_attention(q, k, v, causal, window, softcap, alibi_slopes, sinks):
+    """The attention with the options computed by torch in the inputs' dtype (scores, softcap, ALiBi's bias
+    and P rounded to it; the bias computed in at least float32): in float64 the reference of the
+    gradients, in 16 bits the error of an ordinary low-precision implementation, which flash-attn's tests
+    allow twice of."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    sq, sk = q.shape[2], k.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(torch.promote_types(q.dtype, torch.float32))
+        scores = scores - (slopes[..., None, None] * (i - j).abs()).to(q.dtype)
+    left, right = window or (-1, -1)
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal or right not in (None, -1):
+        visible &= j <= i + (0 if causal else right)
+    if left not in (None, -1):
+        visible &= j >= i - left
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # a column with no value row
+        sink_column = sinks.to(q.dtype)[None, :, None, None].expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num()
+    return p[..., :sk] @ v
+
+
 class OnlyDLPack:
     """An array that speaks DLPack and nothing else (as some libraries' arrays do)."""
 

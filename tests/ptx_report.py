@@ -45,6 +45,7 @@ from numattn.kernels.attention_wgmma import wgmma_attention_kernel  # noqa: E402
 from numattn.kernels.decode import decode_kernel, decode_mma_kernel  # noqa: E402
 from numattn.kernels.mla import mla_decode_kernel  # noqa: E402
 from numattn.kernels.score_mods import ScoreMods  # noqa: E402
+from numattn.kernels.sequences import SequenceLayout  # noqa: E402
 
 # the attention kernels' score-modification arguments: alibi, sinks, left, right, cap_log2, cap_slope
 MOD_SIGNATURE = (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, "A"), types.int64, types.int64,
@@ -54,6 +55,8 @@ SIGNATURE = {
     for storage in (types.uint16, types.float32)
 }
 EVERY_MOD = ScoreMods(window=True, softcap=True, alibi=True, sinks=True)
+# a varlen kernel's cu_seqlens_q, cu_seqlens_k, seqused_k and page_table
+SEQUENCE_SIGNATURE = (*(types.Array(types.int32, 1, "A"),) * 3, types.Array(types.int32, 2, "A"))
 _U16, _F32, _I32, _U16_3 = (types.Array(t, n, "A") for t, n in ((types.uint16, 4), (types.float32, 3),
                                                                   (types.int32, 2), (types.uint16, 3)))
 # split launches: partial outputs [.., S, Dv] and log2-sum-exps, the last-block tickets, the scale
@@ -101,6 +104,18 @@ def variants():
         yield f"wgmma-bfloat16-causal1-d{head_dim}-mods", kernel, SIGNATURE[types.uint16]
     kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), "float32", 64, 64, True, True, mods=EVERY_MOD)
     yield "simt-float32-causal1-d64-mods", kernel, SIGNATURE[types.float32]
+    # packed variable-length sequences (with per-sequence key counts), keys and values in pages
+    packed, paged = SequenceLayout(varlen=True, seqused=True), SequenceLayout(varlen=True, page_size=16, seqused=True)
+    config = choose_wgmma_config(128, 128, 227 * 1024)
+    kernel = wgmma_attention_kernel(config, "bfloat16", 128, 128, True, True, True, sequences=packed)
+    yield "wgmma-bfloat16-causal1-d128-varlen", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
+    kernel = wgmma_attention_kernel(config, "bfloat16", 128, 128, True, True, True, sequences=paged)
+    yield "wgmma-bfloat16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
+    kernel = mma_attention_kernel(choose_mma_config(128, 128, 227 * 1024), "float16", 128, 128, True, True,
+                                  sequences=paged)
+    yield "mma-float16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
+    kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), "float32", 64, 64, True, True, sequences=paged)
+    yield "simt-float32-causal1-d64-paged", kernel, SIGNATURE[types.float32] + SEQUENCE_SIGNATURE
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)

@@ -44,17 +44,19 @@ from .ptx import (
     pack_f16x2,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
+from .sequences import DENSE, block_locator, source_row
 from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
-from .tiles import PAD, query_block, row_major_cell, tile_copier, tile_view
+from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
 
 @functools.lru_cache(maxsize=None)
 def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, split=False, k_transposed=False,
-                         cluster_merge=False, mods=NO_MODS):
+                         cluster_merge=False, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
-    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says.
+    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says, the
+    sequence layout ``sequences`` (varlen and paged arguments after the others) as ``sequences.py`` says.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
@@ -94,6 +96,10 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     V_OFF = K_OFF + STAGES * K_STAGE
     V_STAGE = BLOCK_N * V_ROW
     CAUSAL, WRITE_LSE, SPLIT, CLUSTER = causal, write_lse, split, split and cluster_merge
+    VARLEN = sequences.varlen
+    if VARLEN and (split or k_transposed):
+        raise ValueError("variable-length sequences take neither key splits nor a transposed K")
+    locate = block_locator(sequences)
     WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
     STAGE_COLS = cluster_stage_cols(DV)
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
@@ -105,6 +111,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
+    copy_kv_tile = tile_copier(NUM_THREADS, row_major_cell, source_row(sequences))
 
     @cuda.jit(device=True)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
@@ -112,16 +119,21 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         copy_tile(dst, 0, dst.shape[0], src, b, h, row0, nrows, ncols)
 
     @cuda.jit(device=True)
-    def load_k_tile_async(dst, k, b, h, n0, nkeys):
+    def load_v_tile_async(dst, v, at, h, n0, nkeys):
+        """The V tile of keys ``n0 ..`` (found from ``at`` as ``sequences.py`` says); keys from ``nkeys`` on read 0."""
+        copy_kv_tile(dst, 0, dst.shape[0], v, at, h, n0, nkeys, DV)
+
+    @cuda.jit(device=True)
+    def load_k_tile_async(dst, k, at, h, n0, nkeys):
         """The K tile of keys ``n0 ..``: rows of ``k`` or, transposed, runs of 8 keys per head-dim row;
         keys from ``nkeys`` on read 0."""
         if K_T:
             for i in range(cuda.threadIdx.x, D * K_CHUNKS, NUM_THREADS):
                 d, c = i // K_CHUNKS, (i % K_CHUNKS) * 8
                 keys = min(max(nkeys - n0 - c, 0), 8)
-                cp_async_16(dst, d, c, k, (b, h, d, n0 + c if keys > 0 else 0), 2 * keys)
+                cp_async_16(dst, d, c, k, (at, h, d, n0 + c if keys > 0 else 0), 2 * keys)
         else:
-            copy_tile(dst, 0, dst.shape[0], k, b, h, n0, nkeys, D)
+            copy_kv_tile(dst, 0, dst.shape[0], k, at, h, n0, nkeys, D)
 
     @cuda.jit(device=True, forceinline=True)
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
@@ -139,12 +151,14 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
 
     @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
-               cap_slope):
+               cap_slope, seqs):
+        # v for the key count: k may be given transposed
+        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
+        if VARLEN and m0 < 0:
+            return  # past the sequence's rows
         smem = cuda.shared.array(0, uint16)
         q_s = tile_view(smem, 0, BLOCK_M, Q_ROW)
-        seqlen_q, seqlen_kv = q.shape[2], v.shape[2]  # v: k may be given transposed
         diagonal = seqlen_kv - seqlen_q
-        b, h, h_kv, m0, n_end = query_block(q, v, BLOCK_M, CAUSAL)
         first = 0  # the first key of this block's run of tiles
         if WINDOW:
             first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
@@ -163,14 +177,14 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         mat, mrow = ldmatrix_lane(lane)
         warp_row0 = 16 * WARP_M * warp  # the warp's first row within the block
 
-        load_tile_async(q_s, q, b, h, m0, seqlen_q, D)
+        load_tile_async(q_s, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
         cp_async_commit()
         for j in range(IN_FLIGHT):  # the first tiles, one commit group each
             if j < n_blocks:
                 load_k_tile_async(tile_view(smem, K_OFF + j * K_STAGE, K_ROWS, K_ROW),
-                                  k, b, h_kv, first + j * BLOCK_N, seqlen_kv)
-                load_tile_async(tile_view(smem, V_OFF + j * V_STAGE, BLOCK_N, V_ROW),
-                                v, b, h_kv, first + j * BLOCK_N, seqlen_kv, DV)
+                                  k, kv_at, h_kv, k_row0 + first + j * BLOCK_N, k_row0 + seqlen_kv)
+                load_v_tile_async(tile_view(smem, V_OFF + j * V_STAGE, BLOCK_N, V_ROW),
+                                  v, kv_at, h_kv, k_row0 + first + j * BLOCK_N, k_row0 + seqlen_kv)
             cp_async_commit()
         cp_async_wait_group(IN_FLIGHT)  # the Q tile has landed
         cuda.syncthreads()
@@ -200,9 +214,9 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             if ahead < n_blocks:
                 free = ahead % STAGES
                 load_k_tile_async(tile_view(smem, K_OFF + free * K_STAGE, K_ROWS, K_ROW),
-                                  k, b, h_kv, first + ahead * BLOCK_N, seqlen_kv)
-                load_tile_async(tile_view(smem, V_OFF + free * V_STAGE, BLOCK_N, V_ROW),
-                                v, b, h_kv, first + ahead * BLOCK_N, seqlen_kv, DV)
+                                  k, kv_at, h_kv, k_row0 + first + ahead * BLOCK_N, k_row0 + seqlen_kv)
+                load_v_tile_async(tile_view(smem, V_OFF + free * V_STAGE, BLOCK_N, V_ROW),
+                                  v, kv_at, h_kv, k_row0 + first + ahead * BLOCK_N, k_row0 + seqlen_kv)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile j has landed (later tiles may be in flight)
             cuda.syncthreads()
@@ -264,17 +278,22 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
                 release_counter(counters, 0, cuda.blockIdx.x)
         else:
-            normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, m0 + warp_row0, seqlen_q, g, t)
-            store(o, acc, b, h, m0 + warp_row0, seqlen_q, g, t)
+            normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
+            store(o, acc, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
 
     if SPLIT:
         def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope):
             attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
-                   cap_slope)
+                   cap_slope, ())
+    elif VARLEN:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, page_table):
+            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
     else:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
             # the split arguments are unused
-            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)
+            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
 
     return cuda.jit(kernel)

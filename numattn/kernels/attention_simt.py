@@ -29,7 +29,8 @@ from numba import float32
 from .._cuda import cuda
 from .constants import LN2_F32, LOG2E_F32
 from .score_mods import NO_MODS, window_span
-from .tiles import NARROW, WIDEN, query_block, tile_view
+from .sequences import DENSE, block_locator, row_of_batch, source_row
+from .tiles import NARROW, WIDEN, tile_view
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
@@ -41,7 +42,7 @@ def _cdiv(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, mods=NO_MODS):
+def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``
     for one specialisation.
 
@@ -49,7 +50,8 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
     ``o`` (B, Hq, Sq, Dv) are strided 4-D arrays of the storage dtype,
     ``lse`` (B, Hq, Sq) float32 (unused unless ``write_lse``), ``scale_log2``
     the softmax scale times log2(e), float32; the score modifications ``mods`` and the arguments after
-    ``scale_log2`` as ``score_mods.py`` says. Launch with
+    ``scale_log2`` as ``score_mods.py`` says; the sequence layout ``sequences`` (varlen and paged arguments
+    after the others) as ``sequences.py`` says. Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
     ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
     """
@@ -70,21 +72,34 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
     X_OFF = P_OFF + BLOCK_M * P_ROW
     CAUSAL, WRITE_LSE = causal, write_lse
     WINDOW, SOFTCAP, ALIBI, SINKS = mods.window, mods.softcap, mods.alibi, mods.sinks
+    VARLEN = sequences.varlen
+    locate = block_locator(sequences)
     widen, narrow = WIDEN[dtype], NARROW[dtype]
 
-    @cuda.jit(device=True)
-    def load_tile(dst, src, b, h, row0, nrows, ncols, scale):
-        """dst[r, c] = scale · src[b, h, row0 + r, c]; rows or columns out of range read 0."""
-        rows, cols = dst.shape
-        for idx in range(cuda.threadIdx.x, rows * cols, NUM_THREADS):
-            r = idx // cols
-            c = idx - r * cols
-            value = _ZERO
-            if row0 + r < nrows and c < ncols:
-                value = widen(src[b, h, row0 + r, c]) * scale
-            dst[r, c] = value
+    def tile_loader(source):
+        @cuda.jit(device=True)
+        def load_tile(dst, src, at, h, row0, nrows, ncols, scale):
+            """dst[r, c] = scale · src[a, h, row, c] for ``(a, row) = source(at, row0 + r)``; rows or columns out
+            of range read 0."""
+            rows, cols = dst.shape
+            for idx in range(cuda.threadIdx.x, rows * cols, NUM_THREADS):
+                r = idx // cols
+                c = idx - r * cols
+                value = _ZERO
+                if row0 + r < nrows and c < ncols:
+                    a, row = source(at, row0 + r)
+                    value = widen(src[a, h, row, c]) * scale
+                dst[r, c] = value
 
-    def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+        return load_tile
+
+    load_tile, load_kv_tile = tile_loader(row_of_batch), tile_loader(source_row(sequences))
+
+    @cuda.jit(device=True, forceinline=True)
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs):
+        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
+        if VARLEN and m0 < 0:
+            return  # past the sequence's rows
         smem = cuda.shared.array(0, float32)
         q_s = tile_view(smem, Q_OFF, BLOCK_M, QK_ROW)
         k_s = tile_view(smem, K_OFF, BLOCK_N, QK_ROW)
@@ -92,9 +107,7 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
         p_s = tile_view(smem, P_OFF, BLOCK_M, P_ROW)
         x_s = tile_view(smem, X_OFF, BLOCK_M, THREADS_N)  # per-thread row partials
 
-        seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
         diagonal = seqlen_kv - seqlen_q
-        b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
         first = 0
         if WINDOW:
             first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
@@ -103,7 +116,7 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
         tn = cuda.threadIdx.x % THREADS_N
         tm = cuda.threadIdx.x // THREADS_N
 
-        load_tile(q_s, q, b, h, m0, seqlen_q, D, scale_log2)
+        load_tile(q_s, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D, scale_log2)
 
         m_i = cuda.local.array(ROWS, float32)
         l_i = cuda.local.array(ROWS, float32)
@@ -117,8 +130,8 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
 
         for n0 in range(first, n_end, BLOCK_N):
             cuda.syncthreads()  # the previous tile is no longer read
-            load_tile(k_s, k, b, h_kv, n0, seqlen_kv, D, _ONE)
-            load_tile(v_s, v, b, h_kv, n0, seqlen_kv, DV, _ONE)
+            load_kv_tile(k_s, k, kv_at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D, _ONE)
+            load_kv_tile(v_s, v, kv_at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV, _ONE)
             cuda.syncthreads()
 
             # S = Q Kᵀ (log2 domain)
@@ -190,8 +203,17 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                 for j in range(VCOLS):
                     col = tn + j * THREADS_N
                     if col < DV:
-                        o[b, h, row, col] = narrow(acc[i, j] * inv_l)
+                        o[q_at, h, q_row0 + row, col] = narrow(acc[i, j] * inv_l)
                 if WRITE_LSE and tn == 0:
-                    lse[b, h, row] = (m_i[i] + math.log2(l_sum)) * LN2_F32 if l_sum != _ZERO else _NEG_INF
+                    lse[q_at, h, q_row0 + row] = (m_i[i] + math.log2(l_sum)) * LN2_F32 if l_sum != _ZERO else _NEG_INF
+
+    if VARLEN:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, page_table):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+    else:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
 
     return cuda.jit(kernel)

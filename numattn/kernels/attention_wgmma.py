@@ -55,15 +55,18 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
-from .tiles import query_block, sw128_cell, tile_copier, tile_view
+from .sequences import DENSE, block_locator, source_row
+from .tiles import sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, mods=NO_MODS):
+def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, mods=NO_MODS,
+                           sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
-    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says.
+    arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says, the
+    sequence layout ``sequences`` (varlen and paged arguments after the others) as ``sequences.py`` says.
 
     ``aligned_out``: rows of ``o`` are contiguous and 16-byte aligned, so the output is
     written in 16-byte chunks.
@@ -95,6 +98,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
     WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
+    VARLEN = sequences.varlen
+    locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
@@ -104,14 +109,16 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
+    load_kv_tile_async = tile_copier(NUM_THREADS, sw128_cell, source_row(sequences))
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv_async(view, bars, k, v, b, h_kv, j, first):
-        """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``) into its stage; the
-        stage's FULL barrier counts them in."""
+    def load_kv_async(view, bars, k, v, kv_at, h_kv, j, first, nkeys):
+        """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``, found from ``kv_at`` as
+        ``sequences.py`` says; from ``nkeys`` on they read 0) into its stage; the stage's FULL barrier counts
+        them in."""
         stage = j % STAGES
-        load_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, b, h_kv, first + j * BLOCK_N, k.shape[2], D)
-        load_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, b, h_kv, first + j * BLOCK_N, k.shape[2], DV)
+        load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
+        load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
@@ -162,14 +169,16 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                     for e in range(8):
                         o[b, h, m0 + r, c + e] = view[row, col + e]
 
-    def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+    @cuda.jit(device=True, forceinline=True)
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs):
+        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
+        if VARLEN and m0 < 0:
+            return  # past the sequence's rows
         smem = cuda.shared.array(0, uint16)
         bars = cuda.shared.array(BARRIERS, int64)
         start = aligned_start(smem, SW128_ALIGN)
         view = tile_view(smem, start, VIEW_ROWS, 64)
-        seqlen_q, seqlen_kv = q.shape[2], k.shape[2]
         diagonal = seqlen_kv - seqlen_q
-        b, h, h_kv, m0, n_end = query_block(q, k, BLOCK_M, CAUSAL)
         first = 0  # the first key of the first tile
         if WINDOW:
             first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
@@ -190,11 +199,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             mbarrier_init(bars, Q_FULL, NUM_THREADS)
         cuda.syncthreads()
         if n_blocks > 0:
-            load_tile_async(view, 0, BLOCK_M, q, b, h, m0, seqlen_q, D)
+            load_tile_async(view, 0, BLOCK_M, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
             cp_async_mbarrier_arrive(bars, Q_FULL)
             for j in range(STAGES - 1):  # the first tiles
                 if j < n_blocks:
-                    load_kv_async(view, bars, k, v, b, h_kv, j, first)
+                    load_kv_async(view, bars, k, v, kv_at, h_kv, j, k_row0 + first, k_row0 + seqlen_kv)
             if GROUPS > 1 and group == GROUPS - 1:
                 barrier_arrive(TURN, 256)  # the first warpgroup goes first
 
@@ -240,7 +249,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if ahead < n_blocks:
                 if j > 0:
                     wait_phase(bars, EMPTY + (j - 1) % STAGES, (j - 1) // STAGES)
-                load_kv_async(view, bars, k, v, b, h_kv, ahead, first)
+                load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, k_row0 + first, k_row0 + seqlen_kv)
         if n_blocks > 0:
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)
@@ -250,11 +259,20 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
 
-        normalize(acc, m_i, l_i, lse, WRITE_LSE, b, h, row0, seqlen_q, g, t)
+        normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
         if STAGED:
-            store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t)
+            store_staged(o, view, acc, q_at, h, q_row0 + m0, group, q_row0 + seqlen_q, warp, g, t)
         else:
-            store(o, acc, b, h, row0, seqlen_q, g, t)
+            store(o, acc, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
+
+    if VARLEN:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, page_table):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+    else:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

@@ -466,6 +466,46 @@ def attention_forward(q, k, v, scale, causal, window=None, softcap=None, alibi_s
                             alibi_slopes, sinks)
 
 
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, layout, scale, causal,
+                             window=None, softcap=None, alibi_slopes=None, sinks=None):
+    """``attention_forward`` of each sequence of a packed batch (``kernels/sequences.py`` says how ``layout``
+    places them).
+
+    ``q`` ``[1, heads_q, total_q, head_dim]``; ``k``, ``v`` ``[1, heads_kv, total_k, ·]`` or, paged,
+    ``[num_pages, heads_kv, page_size, ·]`` float32; the int32 index arrays as the kernels take them
+    (checked by the caller). Returns float32 ``o`` ``[total_q, heads_q, head_dim_v]`` and ``lse``
+    ``[heads_q, total_q]``, rows of no sequence left 0 and -inf.
+    """
+    batch, heads_q, head_dim_v = len(cu_seqlens_q) - 1, q.shape[1], v.shape[3]
+    o = np.zeros((q.shape[2], heads_q, head_dim_v), np.float32)
+    lse = np.full((heads_q, q.shape[2]), -np.inf, np.float32)
+    slopes = None if alibi_slopes is None else np.broadcast_to(_host(alibi_slopes), (batch, heads_q))
+    left, right = window or (_NO_BOUND, _NO_BOUND)
+    for b in range(batch):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        if layout.paged:
+            keys = int(seqused_k[b] if layout.seqused else cu_seqlens_k[b + 1] - cu_seqlens_k[b])
+            k_pages, v_pages, table = k, v, page_table[b : b + 1]
+        else:
+            k0 = int(cu_seqlens_k[b])
+            keys = int(cu_seqlens_k[b + 1]) - k0
+            keys = min(keys, int(seqused_k[b])) if layout.seqused else keys
+            k_pages, v_pages, table = k[:, :, k0 : k0 + keys], v[:, :, k0 : k0 + keys], np.zeros((1, 1), np.int32)
+        if q1 == q0:
+            continue
+        if keys == 0:  # only the sink, if any
+            if sinks is not None:
+                lse[:, q0:q1] = _host(sinks)[:, None]
+            continue
+        q_b = np.ascontiguousarray(q[:, :, q0:q1])
+        o_b, lse_b = _paged_attention(q_b, _no_dims(q_b), k_pages, _no_dims(k_pages), v_pages, table,
+                                      np.array([keys], np.int32), scale, causal, (left, right, softcap or 0.0),
+                                      None if slopes is None else slopes[b : b + 1], sinks)
+        o[q0:q1] = o_b[0].transpose(1, 0, 2)
+        lse[:, q0:q1] = lse_b[0]
+    return o, lse
+
+
 def attention_backward(q, k, v, o, lse, do, scale, causal, window=None, softcap=None, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of ``attention_forward``'s ``o`` (FlashAttention-2's backward pass).
 

@@ -10,8 +10,8 @@
 * ``swizzled_rows``, ``tile_row_elems`` and ``tile_col`` lay out 16-bit tiles that
   ``cp.async`` fills and ``ldmatrix`` reads: unpadded rows with 16-byte chunks
   XOR-swizzled by row where the row allows it, padded rows elsewhere.
-* ``query_block`` maps a thread block to its (batch, head, query rows); ``key_block``
-  maps a backward block to its (batch, key/value head, key rows, query tiles).
+* ``key_block`` maps a backward block to its (batch, key/value head, key rows, query tiles)
+  (``sequences.py`` maps a forward block to its query rows).
 * ``WIDEN`` / ``NARROW`` map an element dtype name to the conversion a kernel
   applies when it loads an element into fp32 or stores an fp32 result.
 """
@@ -20,12 +20,13 @@ import functools
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import int64, types
 from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array, populate_array
 
 from .._cuda import cuda
 from .ptx import cp_async_16, cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
+from .sequences import row_of_batch
 
 # Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
 WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
@@ -86,38 +87,61 @@ def row_major_cell(tile_row0, rows, r, c):
     return tile_row0 + r, c
 
 
-@functools.cache
-def tile_copier(num_threads, place):
-    """Device function ``copy(view, tile_row0, rows, src, b, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
+GATHERED_AHEAD = 4  # rows whose source a thread looks up before it issues their copies (see tile_copier)
 
-    The block's threads issue 16-byte ``cp.async`` copies of
-    ``src[b, h, row0 + r, :ncols]`` into tile row ``r`` (rows past ``nrows``
+
+@functools.cache
+def tile_copier(num_threads, place, source=row_of_batch):
+    """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
+
+    The block's threads issue 16-byte ``cp.async`` copies of row ``row0 + r``
+    of ``src`` (``src[a, h, row, :ncols]`` for ``(a, row) = source(at, row0 + r)``: ``src[at, h, row0 + r]``
+    by default, a page's row for ``sequences.source_row``) into tile row ``r`` (rows past ``nrows``
     read 0), element ``(r, c)`` landing at ``view[place(tile_row0, rows, r, c)]``.
     Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
     when ``chunks`` divides the thread count (the trip count and the per-copy
-    arithmetic are then compile-time constants), chunk by chunk otherwise.
+    arithmetic are then compile-time constants), chunk by chunk otherwise. A ``source`` that reads
+    memory (a page table) is asked for ``GATHERED_AHEAD`` rows at once before their copies are issued:
+    each copy is ordered after the loads before it, so looking up row by row would wait out a load's
+    latency per row.
     """
     NUM_THREADS = num_threads
+    GATHERED = source is not row_of_batch
 
     @cuda.jit(device=True, forceinline=True)
-    def copy(view, tile_row0, rows, src, b, h, row0, nrows, ncols):
+    def copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols):
         chunks = ncols // 8
         if NUM_THREADS % chunks == 0:
             step = NUM_THREADS // chunks
             first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
-            for n in range((rows + step - 1) // step):
-                r = first + n * step
-                if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
-                    view_row, view_col = place(tile_row0, rows, r, c)
-                    valid = row0 + r < nrows
-                    cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+            if GATHERED:
+                arrays, src_rows = cuda.local.array(GATHERED_AHEAD, int64), cuda.local.array(GATHERED_AHEAD, int64)
+                for n0 in range(0, (rows + step - 1) // step, GATHERED_AHEAD):
+                    for n in range(GATHERED_AHEAD):
+                        r = first + (n0 + n) * step
+                        arrays[n], src_rows[n] = source(at, row0 + r if row0 + r < nrows else 0)
+                    for n in range(GATHERED_AHEAD):
+                        r = first + (n0 + n) * step
+                        if r < rows:
+                            view_row, view_col = place(tile_row0, rows, r, c)
+                            cp_async_16(view, view_row, view_col, src, (arrays[n], h, src_rows[n], c),
+                                        16 if row0 + r < nrows else 0)
+            else:
+                for n in range((rows + step - 1) // step):
+                    r = first + n * step
+                    if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
+                        view_row, view_col = place(tile_row0, rows, r, c)
+                        valid = row0 + r < nrows
+                        a, row = source(at, row0 + r if valid else 0)
+                        cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
         else:
             for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
                 r = i // chunks
                 c = (i - r * chunks) * 8
                 view_row, view_col = place(tile_row0, rows, r, c)
                 valid = row0 + r < nrows
-                cp_async_16(view, view_row, view_col, src, (b, h, row0 + r if valid else 0, c), 16 if valid else 0)
+                a, row = source(at, row0 + r if valid else 0)
+                cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
 
     return copy
 
@@ -157,28 +181,6 @@ def tile_row_elems(cols):
 def tile_col(swizzled, r, c):
     """Shared-memory column of element ``c`` (a multiple of 8) of row ``r`` of a tile (see ``swizzled_rows``)."""
     return ((c // 8) ^ (r % 8)) * 8 if swizzled else c
-
-
-@cuda.jit(device=True)
-def query_block(q, k, block_m, causal):
-    """``(b, h, h_kv, m0, n_end)`` of the calling thread block of an attention forward.
-
-    The grid has ``cdiv(seqlen_q, block_m) · batch · heads_q`` blocks; this one
-    owns query rows ``m0 .. m0 + block_m`` of batch ``b``, query head ``h``,
-    which reads key/value head ``h_kv``, and must visit keys ``0 .. n_end``
-    (under causal masking, row ``i`` sees key ``j <= i + seqlen_kv - seqlen_q``).
-    Blocks of the last query rows, the longest under causal masking, come first.
-    """
-    batch, heads_q, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
-    heads_kv, seqlen_kv = k.shape[1], k.shape[2]
-    heads = batch * heads_q
-    m_block = (seqlen_q + block_m - 1) // block_m - 1 - cuda.blockIdx.x // heads
-    b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
-    m0 = m_block * block_m
-    n_end = seqlen_kv
-    if causal:
-        n_end = min(seqlen_kv, m0 + block_m + seqlen_kv - seqlen_q)
-    return b, h, h // (heads_q // heads_kv), m0, n_end
 
 
 HEAD_GROUP = 8  # (batch, KV head) pairs whose causal backward key blocks the grid interleaves

@@ -44,6 +44,7 @@ from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
+from .checks import host_values
 from .plans import PLANS, LaunchPlan, array_signature, on_device, tensor_pointer
 from .score_mods import NO_OPTIONS, ScoreOptions, score_options
 from .workspace import WorkspaceLayout
@@ -58,7 +59,12 @@ MAX_SCALE = float(np.finfo(np.float32).max) / LOG2E  # kernels take scale · log
 
 @dataclass(frozen=True)
 class Problem:
-    """A validated attention call, in (batch, heads, seqlen, head_dim) order."""
+    """A validated attention call, in (batch, heads, seqlen, head_dim) order.
+
+    A call of ``attention_varlen`` (``sequences`` set, ``ops/varlen.py``) has ``batch`` sequences of at
+    most ``seqlen_q`` and ``seqlen_kv`` rows, layout ``"bshd"``, and ``q``, ``k``, ``v`` as 4-D operands:
+    packed rows ``(total, heads, head_dim)`` with a leading axis of 1, pages ``(num_pages, page_size,
+    heads, head_dim)`` as they are."""
 
     batch: int
     heads_q: int
@@ -78,16 +84,38 @@ class Problem:
     v: Operand
     out: Operand  # None when numattn allocates the output
     options: ScoreOptions = NO_OPTIONS  # window, softcap, ALiBi, sinks
+    sequences: object = None  # a varlen call's ``Sequences``
 
     @property
     def out_shape(self):
-        """Output shape in the caller's layout."""
+        """Output shape in the caller's layout (``(total_q, heads_q, head_dim_v)`` for varlen)."""
+        if self.sequences is not None:
+            return (self.q.shape[1], self.heads_q, self.head_dim_v)
         bhsd = (self.batch, self.heads_q, self.seqlen_q, self.head_dim_v)
         return tuple(bhsd[a] for a in _LAYOUT_AXES[self.layout])
 
     @property
     def lse_shape(self):
+        """The LSE's shape: ``(batch, heads_q, seqlen_q)``, or ``(heads_q, total_q)`` for varlen."""
+        if self.sequences is not None:
+            return (self.heads_q, self.q.shape[1])
         return (self.batch, self.heads_q, self.seqlen_q)
+
+    def kernel_arrays(self, itemsize):
+        """``(shape, strides, itemsize)`` of the kernels' ``o`` ``[B, Hq, Sq, Dv]`` and ``lse`` ``[B, Hq, Sq]``
+        (varlen: ``[1, Hq, total_q, ·]``) over the output (``out``'s strides, else contiguous) and a contiguous LSE."""
+        out_strides = self.out.strides if self.out is not None else contiguous_strides(self.out_shape)
+        lse_strides = contiguous_strides(self.lse_shape)
+        out_shape, lse_shape = self.out_shape, self.lse_shape
+        if self.sequences is not None:  # a leading axis of 1 over the packed rows
+            out_shape, out_strides = (1, *out_shape), (0, *out_strides)
+            lse_shape, lse_strides = (1, *lse_shape), (0, *lse_strides)
+        return (self.bhsd(out_shape), self.bhsd(out_strides), itemsize), (lse_shape, lse_strides, 4)
+
+    def kernel_view(self, storage):
+        """A host array's storage as the kernels take it: 4-D, (batch, heads, seqlen, head_dim) (packed rows
+        with a leading axis of 1)."""
+        return (storage[None] if storage.ndim == 3 else storage).transpose(_LAYOUT_AXES[self.layout])
 
     def bhsd(self, values):
         """Reorder shape or strides given in the caller's layout to (batch, heads, seqlen, head_dim)."""
@@ -109,7 +137,7 @@ class Problem:
     def transposed_k_loads(self):
         """Whether the mma.sync kernel can copy K by runs of keys (K contiguous along the sequence, as a
         transposed view of a ``(…, head_dim, seqlen_kv)`` tensor) and q, v by rows."""
-        return (not self.vector_loads and self._copies_16_bytes(self.k, 2)
+        return (self.sequences is None and not self.vector_loads and self._copies_16_bytes(self.k, 2)
                 and all(self._copies_16_bytes(op, 3) for op in (self.q, self.v)))
 
     @property
@@ -279,6 +307,10 @@ def _attention_kernel(p, device, config=None, splits=1):
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": cluster_merges(blocks, splits, limits)}
+    if p.sequences is not None:
+        if splits > 1:
+            raise ValueError("variable-length sequences take no key splits")
+        flags["sequences"] = p.sequences.layout
     dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags,
                                 mods=p.options.mods)
     shared_bytes = problem_shared_bytes(p, config)
@@ -288,7 +320,8 @@ def _attention_kernel(p, device, config=None, splits=1):
         shared_bytes = max(shared_bytes, cluster_stage_bytes(config.block_m, p.head_dim_v))
     merge = "cluster" if cluster else "last block"
     label = (f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
-             + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else ""))
+             + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
+             + (f" {p.sequences.layout}" if p.sequences is not None else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
                    config, cluster)
 
@@ -321,12 +354,12 @@ class _DevicePlan(LaunchPlan):
         if splits > 1:
             argtypes += (types.Array(f32, 5, "A"), types.Array(f32, 4, "A"), types.Array(types.int32, 2, "A"))
         argtypes += (f32, types.Array(f32, 2, "A"), types.Array(f32, 1, "A"), types.int64, types.int64, f32, f32)
+        if p.sequences is not None:
+            argtypes += p.sequences.argtypes
         kernel = compiled(chosen.dispatcher, argtypes, p.device, chosen.shared_bytes, chosen.label)
 
         itemsize = storage_dtype(p.dtype).itemsize
-        out_strides = p.out.strides if p.out is not None else contiguous_strides(p.out_shape)
-        out_array = (p.bhsd(p.out_shape), p.bhsd(out_strides), itemsize)
-        lse_array = (p.lse_shape, contiguous_strides(p.lse_shape), 4)
+        out_array, lse_array = p.kernel_arrays(itemsize)
         k_shape, k_strides = p.bhsd(p.k.shape), p.bhsd(p.k.strides)
         if type(self.config) is MmaConfig and p.transposed_k_loads:
             k_shape, k_strides = _swap_last(k_shape), _swap_last(k_strides)  # the kernel takes (B, H, D, S)
@@ -343,11 +376,16 @@ class _DevicePlan(LaunchPlan):
         mod_fields, mod_slots = array_fields(p.options.arrays(p.batch, p.heads_q))
         slots[3:3] = [len(fields) + slot for slot in mod_slots]
         fields += mod_fields + p.options.scalars()
-        # (stream, q, k, v, alibi, sinks, out, lse) or, with splits, (..., part, part_lse, counters)
+        if p.sequences is not None:
+            sequence_fields, sequence_slots = array_fields(p.sequences.arrays())
+            slots[5:5] = [len(fields) + slot for slot in sequence_slots]
+            fields += sequence_fields
+        # (stream, q, k, v, alibi, sinks, out, lse); with splits (..., part, part_lse, counters); varlen
+        # (stream, q, k, v, alibi, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out, lse)
         self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
-    def __call__(self, q, k, v, out, alibi=None, sinks=None):
-        return self.run_device_arrays((q, k, v, alibi, sinks), out)
+    def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
+        return self.run_device_arrays((q, k, v, alibi, sinks, *sequences), out)
 
 
 class _TorchPlan(_DevicePlan):
@@ -357,8 +395,9 @@ class _TorchPlan(_DevicePlan):
         super().__init__(p, config, splits)
         self.run = self.torch_runner()
 
-    def __call__(self, q, k, v, out, alibi=None, sinks=None):
-        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(alibi), tensor_pointer(sinks))
+    def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
+        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(alibi), tensor_pointer(sinks),
+                        *map(tensor_pointer, sequences))
 
 
 class _HostPlan:
@@ -370,16 +409,20 @@ class _HostPlan:
             name: replace(op, kind="numba", device=device, strides=contiguous_strides(op.shape))
             for name, op in (("q", p.q), ("k", p.k), ("v", p.v))
         }
-        on_gpu = replace(p, device=device, out=None, options=p.options.on_device(device), **contiguous)
+        sequences = None if p.sequences is None else p.sequences.on_device(device)
+        on_gpu = replace(p, device=device, out=None, options=p.options.on_device(device), sequences=sequences,
+                         **contiguous)
         self.device_plan = _DevicePlan(on_gpu, config, splits)
         self.config, self.splits = self.device_plan.config, splits
         self.problem = p
 
-    def __call__(self, q, k, v, out, alibi=None, sinks=None):
+    def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
         p = self.problem
         stored = [None if x is None else host_storage(x, op)
                   for x, op in ((q, p.q), (k, p.k), (v, p.v), (alibi, p.options.alibi), (sinks, p.options.sinks))]
-        result = on_device(lambda q, k, v, alibi, sinks: self.device_plan(q, k, v, None, alibi, sinks), stored)
+        stored += [None if x is None else np.asarray(host_values(x), np.int32) for x in sequences]
+        result = on_device(lambda q, k, v, alibi, sinks, *sequences: self.device_plan(q, k, v, None, alibi, sinks,
+                                                                                      *sequences), stored)
         o, lse = result if p.return_lse else (result, None)
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
@@ -397,13 +440,20 @@ class _NoGpuPlan:
         self.problem, self.splits = p, splits
         self.split_shapes = _split_shapes(p, self.grid, splits)
 
-    def __call__(self, q, k, v, out, alibi=None, sinks=None):
+    def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
         p = self.problem
         axes = _LAYOUT_AXES[p.layout]
-        views = [host_storage(x, op).transpose(axes) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
+        views = [p.kernel_view(host_storage(x, op)) for x, op in ((q, p.q), (k, p.k), (v, p.v))]
         alibi, sinks = p.options.host_arrays(alibi, sinks, p.batch, p.heads_q)
         if simulating():
-            o, lse = self._simulated(*views, alibi, sinks)
+            o, lse = self._simulated(*views, alibi, sinks, p.sequences.host_arrays(*sequences) if sequences else ())
+        elif sequences:
+            o, lse = cpu.attention_varlen_forward(
+                *(float32_values(x, p.dtype) for x in views), *p.sequences.host_arrays(*sequences), p.sequences.layout,
+                p.scale, p.causal,
+                p.options.window, p.options.softcap, alibi if p.options.alibi else None,
+                sinks if p.options.sinks else None)
+            o = rounded_storage(o, p.dtype)
         else:
             o, lse = cpu.attention_forward(*(float32_values(x, p.dtype) for x in views), p.scale, p.causal,
                                            p.options.window, p.options.softcap, alibi if p.options.alibi else None,
@@ -412,20 +462,22 @@ class _NoGpuPlan:
         result = _deliver(o, q, out, p)
         return (result, wrap_host(lse, q, "float32")) if p.return_lse else result
 
-    def _simulated(self, q, k, v, alibi, sinks):
-        """``(o in the caller's layout, lse)`` of the GPU kernel on (B, H, S, D) views."""
+    def _simulated(self, q, k, v, alibi, sinks, sequences):
+        """``(o in the caller's layout, lse)`` of the GPU kernel on (B, H, S, D) views (``sequences``: a varlen
+        call's int32 arrays, as the kernels take them)."""
         p = self.problem
         if self.k_transposed:
             k = np.swapaxes(k, 2, 3)  # the kernel takes (B, H, D, S)
         o = np.empty(p.out_shape, dtype=storage_dtype(p.dtype))
-        lse = np.empty(p.lse_shape if p.return_lse else (1, 1, 1), dtype=np.float32)
+        lse = np.empty(p.lse_shape if p.return_lse else (1,) * len(p.lse_shape), dtype=np.float32)
+        o_view, lse_view = p.kernel_view(o), (lse[None] if sequences else lse)
         splits = []
         if self.splits > 1:
             part_shape, part_lse_shape, counter_shape = self.split_shapes
             splits = [np.empty(part_shape, np.float32), np.empty(part_lse_shape, np.float32),
                       np.zeros(counter_shape, np.int32)]
-        self.kernel.launch_arrays(self.grid, self.block, q, k, v, o.transpose(_LAYOUT_AXES[p.layout]), lse, *splits,
-                                  np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars())
+        self.kernel.launch_arrays(self.grid, self.block, q, k, v, o_view, lse_view, *splits,
+                                  np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars(), *sequences)
         return o, lse
 
 

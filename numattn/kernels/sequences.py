@@ -1,0 +1,128 @@
+"""Where a block of an attention forward finds its sequence: a dense batch, a packed batch of
+variable-length sequences, or keys and values in pages.
+
+A kernel specialisation names its layout (``SequenceLayout``, compile-time flags) and
+``block_locator(layout)`` gives the device function that maps a thread block to its rows:
+
+* dense: ``q [B, Hq, Sq, D]``, ``k``, ``v [B, Hkv, Skv, D]``; sequence ``b`` is ``q[b]``, ``k[b]``.
+* varlen: packed ``q (total_q, Hq, D)`` reaches the kernel as ``[1, Hq, total_q, D]``; sequence ``b``
+  holds rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]``, its keys rows ``cu_seqlens_k[b] ..
+  cu_seqlens_k[b + 1]`` of ``k``, ``v [1, Hkv, total_k, D]``, the first ``seqused_k[b]`` of them
+  with ``seqused``.
+* paged (with varlen queries): ``k``, ``v [num_pages, Hkv, page_size, D]``, ``page_size`` a compile-time
+  constant; key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``;
+  the sequence has ``seqused_k[b]`` keys with ``seqused``, else ``cu_seqlens_k[b + 1] − cu_seqlens_k[b]``.
+
+Such a kernel takes ``cu_seqlens_q [B + 1]``, ``cu_seqlens_k [B + 1]``, ``seqused_k [B]`` and
+``page_table [B, max_pages]`` (int32; unused ones of shape 1) after its other arguments, and runs
+on ``cdiv(max_seqlen_q, block_m) · B · Hq`` blocks; those past their sequence's rows return at once.
+Every value read from these arrays is clamped into range (offsets into the packed rows, key counts
+into the page table's capacity, pages into the page array), so that bad values never make a kernel
+read outside its arrays; the host checks them.
+"""
+
+import functools
+from dataclasses import dataclass
+
+from numba import int32
+
+from .._cuda import cuda
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """How a kernel specialisation finds its sequences (see the module docstring)."""
+
+    varlen: bool = False
+    page_size: int = 0  # keys per page of a paged layout, 0 for packed keys
+    seqused: bool = False
+
+    @property
+    def paged(self):
+        return self.page_size > 0
+
+    def __str__(self):
+        names = [name for name in ("varlen", "paged", "seqused") if getattr(self, name)]
+        return "+".join(names).replace("paged", f"pages of {self.page_size}") or "dense"
+
+
+DENSE = SequenceLayout()
+
+
+@cuda.jit(device=True, forceinline=True)
+def row_of_batch(at, row):
+    """``(index along axis 0, row)`` of ``row`` of a dense or packed array: ``at`` is the batch index."""
+    return at, row
+
+
+@functools.cache
+def source_row(layout):
+    """How a tile copier finds a K/V row: ``row_of_batch``, or for a paged layout ``row_of_pages(at, row)``:
+    ``(page, row within it)`` of key ``row`` of a sequence whose pages ``at = (page_table, b, num_pages)``
+    lists, the page clamped into the page array."""
+    if not layout.paged:
+        return row_of_batch
+    PAGE_SIZE = layout.page_size
+
+    @cuda.jit(device=True, forceinline=True)
+    def row_of_pages(at, row):
+        table, b, num_pages = at
+        return min(max(table[b, row // PAGE_SIZE], 0), num_pages - 1), row % PAGE_SIZE
+
+    return row_of_pages
+
+
+@cuda.jit(device=True, forceinline=True)
+def _span(cu, b, total):
+    """``(start, length)`` of sequence ``b`` in ``total`` packed rows, clamped into them."""
+    start = min(max(cu[b], 0), total)
+    return int32(start), int32(min(max(cu[b + 1], start), total) - start)
+
+
+@functools.cache
+def block_locator(layout):
+    """Device function ``locate(q, v, sequences, block_m, causal)`` of the calling thread block:
+    ``(b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0)``.
+
+    The block owns query rows ``m0 .. m0 + block_m`` of sequence ``b``, query head ``h`` (reading KV head
+    ``h_kv``), and must visit its keys ``0 .. n_end``; ``m0 < 0`` for a block past its sequence's rows.
+    Row ``r`` of the sequence is row ``q_row0 + r`` of ``q[q_at, h]`` (and of ``o``, ``lse``); key ``n`` is
+    found by ``source_row(layout)(kv_at, k_row0 + n)``. A sequence's last query rows, the longest under
+    causal masking, come first in the grid. ``sequences`` is ``(cu_seqlens_q, cu_seqlens_k, seqused_k,
+    page_table)``, or ``()`` for a dense layout.
+    """
+    VARLEN, PAGED, SEQUSED, PAGE_SIZE = layout.varlen, layout.paged, layout.seqused, layout.page_size
+
+    @cuda.jit(device=True, forceinline=True)
+    def locate(q, v, sequences, block_m, causal):
+        heads_q, heads_kv = q.shape[1], v.shape[1]
+        if VARLEN:
+            cu_q, cu_k, seqused_k, page_table = sequences
+            batch = cu_q.shape[0] - 1
+        else:
+            batch = q.shape[0]
+        heads = batch * heads_q
+        tiles_from_end = cuda.blockIdx.x // heads
+        b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
+        if PAGED:
+            q_at, k_row0 = 0, 0
+            kv_at = (page_table, b, v.shape[0])
+            q_row0, seqlen_q = _span(cu_q, b, q.shape[2])
+            seqlen_kv = seqused_k[b] if SEQUSED else cu_k[b + 1] - cu_k[b]
+            seqlen_kv = int32(min(max(seqlen_kv, 0), page_table.shape[1] * PAGE_SIZE))
+        elif VARLEN:
+            q_at, kv_at = 0, 0
+            q_row0, seqlen_q = _span(cu_q, b, q.shape[2])
+            k_row0, seqlen_kv = _span(cu_k, b, v.shape[2])
+            if SEQUSED:
+                seqlen_kv = min(max(seqused_k[b], 0), seqlen_kv)
+        else:
+            q_at, kv_at, q_row0, k_row0 = b, b, 0, 0
+            seqlen_q, seqlen_kv = q.shape[2], v.shape[2]
+        m0 = ((seqlen_q + block_m - 1) // block_m - 1 - tiles_from_end) * block_m
+        n_end = seqlen_kv
+        if causal:
+            n_end = min(seqlen_kv, m0 + block_m + seqlen_kv - seqlen_q)
+        return (b, h, h // (heads_q // heads_kv), m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0)
+
+    return locate

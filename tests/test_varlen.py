@@ -1,0 +1,265 @@
+"""``numattn.attention_varlen``: packed variable-length batches, keys packed or in pages (paged and chunked
+prefill), with every score modification; the CPU path and each GPU kernel family (in the simulator) against
+the float64 reference; the checks of the index arrays and the errors; on the GPU the low-precision bound."""
+
+import numpy as np
+import pytest
+
+import numattn
+from numattn import reference
+
+from conftest import ATOL
+from helpers import as_dtype, max_error, torch_attention
+
+
+def offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed(rng, lengths_q, lengths_k, heads_q, heads_kv, head_dim, head_dim_v=None):
+    """Float32 q, k, v of packed sequences and their cumulative lengths."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    q = rng.standard_normal((sum(lengths_q), heads_q, head_dim), dtype=np.float32)
+    k = rng.standard_normal((sum(lengths_k), heads_kv, head_dim), dtype=np.float32)
+    v = rng.standard_normal((sum(lengths_k), heads_kv, head_dim_v), dtype=np.float32)
+    return q, k, v, offsets(lengths_q), offsets(lengths_k)
+
+
+def paged(rng, key_counts, page_size, heads_kv, head_dim, spare_pages=3):
+    """Float32 key and value pages holding sequences of ``key_counts`` keys in shuffled pages, the page table
+    (unused entries -1: never read) and the counts as ``seqused_k``."""
+    pages_per_sequence = [-(-n // page_size) for n in key_counts]
+    num_pages = sum(pages_per_sequence) + spare_pages
+    order = rng.permutation(num_pages)
+    table = np.full((len(key_counts), max(1, max(pages_per_sequence))), -1, np.int32)
+    start = 0
+    for b, count in enumerate(pages_per_sequence):
+        table[b, :count] = order[start : start + count]
+        start += count
+    k = rng.standard_normal((num_pages, page_size, heads_kv, head_dim), dtype=np.float32)
+    v = rng.standard_normal((num_pages, page_size, heads_kv, head_dim), dtype=np.float32)
+    return k, v, table, np.array(key_counts, np.int32)
+
+
+def check(o, lse, atol, *args, **options):
+    ref_o, ref_lse = reference.attention_varlen(*args, return_lse=True, **options)
+    assert max_error(o, ref_o) <= atol, options
+    no_key = np.isneginf(ref_lse)
+    lse = reference.to_float64(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), no_key)
+    seen = ~no_key
+    assert np.abs(lse[seen] - ref_lse[seen]).max() <= 1e-5 * (1 + np.abs(ref_lse[seen]).max())
+
+
+# lengths with an empty sequence, one of a single row, and more keys than queries (chunked prefill)
+LENGTHS_Q = [5, 0, 1, 23, 9]
+LENGTHS_K = [5, 3, 1, 40, 0]
+OPTION_SETS = [
+    dict(),
+    dict(causal=True),
+    dict(causal=True, window=(0, 0)),
+    dict(causal=True, window=(1, -1), sinks=True),
+    dict(window=(7, 3), softcap=4.0, alibi=True),
+    dict(causal=True, window=(127, 0), softcap=2.0, alibi=True, sinks=True),
+]
+
+
+def resolved(rng, options, batch, heads):
+    """``options`` with random ALiBi slopes (per sequence) and sinks where asked for."""
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = rng.uniform(0.01, 0.5, (batch, heads)).astype(np.float32)
+    if options.pop("sinks", False):
+        options["sinks"] = rng.standard_normal(heads).astype(np.float32)
+    return options
+
+
+def test_cpu_path_packed_and_paged(rng):
+    """The CPU path: packed keys, packed keys cut by ``seqused_k``, paged keys; GQA, empty sequences."""
+    q, k, v, cu_q, cu_k = packed(rng, LENGTHS_Q, LENGTHS_K, 4, 2, 32)
+    k_pages, v_pages, table, used = paged(rng, [7, 3, 1, 40, 0], 6, 2, 32)
+    cut = np.array([5, 1, 0, 33, 0], np.int32)
+    with numattn.simulate(False):
+        for base in OPTION_SETS:
+            options = resolved(rng, base, len(LENGTHS_Q), 4)
+            calls = [((q, k, v, cu_q, cu_k), {}), ((q, k, v, cu_q, cu_k), dict(seqused_k=cut)),
+                     ((q, k_pages, v_pages, cu_q, None), dict(page_table=table, seqused_k=used))]
+            for args, where in calls:
+                o, lse = numattn.attention_varlen(*args, 23, 40, return_lse=True, **where, **options)
+                assert o.shape == (sum(LENGTHS_Q), 4, 32) and lse.shape == (4, sum(LENGTHS_Q))
+                check(o, lse, ATOL["float32"], *args, **where, **options)
+
+
+def test_each_sequence_is_its_own_attention(rng):
+    """A packed batch gives what ``attention`` gives each sequence alone (query positions bottom-right
+    aligned within the sequence)."""
+    q, k, v, cu_q, cu_k = packed(rng, [4, 11], [9, 11], 2, 2, 16)
+    o = numattn.attention_varlen(q, k, v, cu_q, cu_k, 11, 11, causal=True)
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        alone = numattn.attention(q[None, rows], k[None, keys], v[None, keys], causal=True, layout="bshd")
+        np.testing.assert_allclose(o[rows], alone[0], atol=1e-6)
+
+
+def kernels():
+    from numattn.configs.attention import MmaConfig, WgmmaConfig
+
+    return {
+        "wgmma": (WgmmaConfig(block_n=16, warpgroups=1, stages=2), "float16"),
+        "mma": (MmaConfig(block_n=16, num_warps=2), "bfloat16"),
+        "simt": (None, "float32"),
+    }
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma", "simt"])
+def test_gpu_kernels_in_the_simulator(rng, kernel):
+    """Each GPU kernel family on packed keys, packed keys cut by ``seqused_k`` and pages of 5 keys (a page
+    boundary inside each key tile), with the options, in the simulator."""
+    from numattn.ops.attention import make_plan
+    from numattn.ops.varlen import validate_varlen
+
+    config, dtype = kernels()[kernel]
+    lengths_q, lengths_k = [3, 0, 19, 1], [4, 2, 25, 0]
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, 64)
+    k_pages, v_pages, table, used = paged(rng, [4, 2, 25, 0], 5, 1, 64)
+    q, k, v, k_pages, v_pages = as_dtype([q, k, v, k_pages, v_pages], dtype)
+    cut = np.array([4, 0, 20, 0], np.int32)
+    for base in (OPTION_SETS[1], OPTION_SETS[5]):
+        options = resolved(rng, base, 4, 2)
+        alibi, sinks = options.get("alibi_slopes"), options.get("sinks")
+        for args, seqused, table_arg in (((q, k, v, cu_q, cu_k), None, None), ((q, k, v, cu_q, cu_k), cut, None),
+                                         ((q, k_pages, v_pages, cu_q, None), used, table)):
+            problem = validate_varlen(*args, 19, 25, None, options.get("causal", False), None, True,
+                                      options.get("window"), options.get("softcap"), alibi, sinks, table_arg, seqused)
+            o, lse = make_plan(problem, config)(*args[:3], None, alibi, sinks, *args[3:], seqused, table_arg)
+            check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=table_arg, **options)
+
+
+def test_keys_of_other_sequences_and_unused_pages_are_never_read(rng):
+    """NaN in the keys and values outside every sequence's range (past ``seqused_k``, in pages no sequence
+    uses) leave the output finite: no kernel reads them."""
+    q, k, v, cu_q, cu_k = packed(rng, [6, 10], [8, 12], 2, 2, 64)
+    q, k, v = as_dtype([q, k, v], "float16")
+    used = np.array([5, 12], np.int32)
+    k[5:8], v[5:8] = np.nan, np.nan  # sequence 0's keys past seqused_k
+    k_pages, v_pages, table, counts = paged(rng, [8, 12], 4, 2, 64)
+    k_pages, v_pages = as_dtype([k_pages, v_pages], "float16")
+    unused = np.setdiff1d(np.arange(len(k_pages)), table[table >= 0])
+    k_pages[unused], v_pages[unused] = np.nan, np.nan
+    o = numattn.attention_varlen(q, k, v, cu_q, cu_k, 10, 12, causal=True, seqused_k=used)
+    assert np.isfinite(o).all()
+    o = numattn.attention_varlen(q, k_pages, v_pages, cu_q, None, 10, 12, page_table=table, seqused_k=counts)
+    assert np.isfinite(o).all()
+
+
+def test_plans_come_from_the_cache_with_the_arrays_of_the_call(rng, fresh_plans):
+    """A second call with other index values (same shapes) runs with its own values, not the first call's."""
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = packed(rng, [6, 10], [6, 10], 2, 1, 16)
+    q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    for lengths in ([6, 10], [10, 6], [16, 0]):
+        cu = torch.from_numpy(offsets(lengths))
+        o = numattn.attention_varlen(q, k, v, cu, cu, 16, 16, causal=True)
+        assert max_error(o, reference.attention_varlen(q, k, v, cu, cu, causal=True)) <= ATOL["float32"]
+    assert len(fresh_plans) == 1
+
+
+def test_unchecked_bad_offsets_read_nothing_outside(rng):
+    """With ``check=False`` offsets past the rows and pages outside the page array are clamped: the call
+    returns finite values and no kernel reads out of bounds."""
+    q, k, v, cu_q, _ = packed(rng, [4, 4], [4, 4], 2, 1, 16)
+    bad = np.array([0, 4, 100], np.int32)
+    o = numattn.attention_varlen(q, k, v, cu_q, bad, 4, 4, check=False)
+    assert np.isfinite(o).all()
+    k_pages, v_pages, table, used = paged(rng, [4, 4], 4, 1, 16)
+    table[1, 0] = 999
+    o = numattn.attention_varlen(q, k_pages, v_pages, cu_q, None, 4, 4, page_table=table, seqused_k=used, check=False)
+    assert np.isfinite(o).all()
+
+
+def _arguments(rng):
+    q, k, v, cu_q, cu_k = packed(rng, [3, 5], [4, 6], 4, 2, 16)
+    k_pages, v_pages, table, used = paged(rng, [4, 6], 4, 2, 16)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=6), dict(
+        k=k_pages, v=v_pages, cu_seqlens_k=None, page_table=table, seqused_k=used)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(q=np.ones((8, 4, 16, 1), np.float32)), ValueError, r"q must be 3-D \(total_q, num_heads_q, head_dim\)"),
+    (dict(k=np.ones((10, 2, 8), np.float32)), ValueError, "k head_dim must equal q head_dim 16, got 8"),
+    (dict(v=np.ones((9, 2, 16), np.float32)), ValueError, "k and v must have the same rows"),
+    (dict(k=np.ones((10, 3, 16), np.float32), v=np.ones((10, 3, 16), np.float32)), ValueError,
+     r"query heads \(4\) must be a multiple of key/value heads \(3\)"),
+    (dict(q=np.ones((8, 4, 16), np.float16)), TypeError, "q, k and v must share one dtype"),
+    (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must have dtype int32, got int64"),
+    (dict(cu_seqlens_q=np.array([0], np.int32)), ValueError, "cu_seqlens_q must have batch \\+ 1 >= 2 entries"),
+    (dict(cu_seqlens_k=np.array([0, 10], np.int32)), ValueError, "cu_seqlens_k must have batch \\+ 1 = 3 entries"),
+    (dict(cu_seqlens_k=None), ValueError, "cu_seqlens_k is required unless the keys are paged"),
+    (dict(max_seqlen_q=5.0), TypeError, "max_seqlen_q must be an int, got float"),
+    (dict(max_seqlen_k=0), ValueError, r"max_seqlen_k must be in \[1, 2\*\*31 - 1\], got 0"),
+    (dict(cu_seqlens_q=np.array([1, 3, 8], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
+    (dict(cu_seqlens_q=np.array([0, 6, 5], np.int32)), ValueError, r"cu_seqlens_q must not decrease, got "
+     r"cu_seqlens_q\[1\] = 6 > cu_seqlens_q\[2\] = 5"),
+    (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 9 exceeds total_q"),
+    (dict(max_seqlen_q=4), ValueError, "sequence 1 has 5 queries .* more than max_seqlen_q = 4"),
+    (dict(cu_seqlens_k=np.array([0, 4, 11], np.int32)), ValueError, r"cu_seqlens_k\[-1\] = 11 exceeds total_k"),
+    (dict(seqused_k=np.array([4, 7], np.int32)), ValueError, r"seqused_k\[1\] = 7 is not in \[0, 6\]"),
+    (dict(seqused_k=np.array([4], np.int32)), ValueError, r"seqused_k must have one entry per sequence \(2\)"),
+    (dict(page_table=np.zeros((2, 2), np.int32)), ValueError, "k must be 4-D .* with page_table"),
+    (dict(check="yes"), TypeError, "check must be a bool, got str"),
+    (dict(out=np.ones((8, 4, 8), np.float32)), ValueError, r"out must have shape \(8, 4, 16\)"),
+])
+def test_bad_arguments_name_the_argument(rng, change, error, match):
+    arguments, _ = _arguments(rng)
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        numattn.attention_varlen(**arguments)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(seqused_k=None), ValueError, r"a paged call needs the key counts: seqused_k"),
+    (dict(seqused_k=np.array([4, 13], np.int32)), ValueError, r"seqused_k\[1\] = 13 is not in \[0, 8\] "
+     r"\(max_pages \* page_size\)"),
+    (dict(page_table=np.array([[0, 1], [2, 40]], np.int32)), ValueError,
+     r"page_table\[1, 1\] = 40 is not a page index in \[0, 6\)"),
+    (dict(page_table=np.zeros((3, 2), np.int32)), ValueError, "page_table must be \\(batch, max_pages\\) with batch 2"),
+    (dict(k=np.ones((7, 4, 2, 16), np.float32)), ValueError, "k and v must have the same pages"),
+])
+def test_bad_paged_arguments_name_the_argument(rng, change, error, match):
+    arguments, paged_arguments = _arguments(rng)
+    arguments.update(paged_arguments)
+    arguments.update(change)
+    with pytest.raises(error, match=match):
+        numattn.attention_varlen(**arguments)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+def test_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim):
+    """On the GPU, torch tensors: packed and paged keys with options; the error is at most twice that of the
+    same computation in the low precision (torch's SDPA of each sequence, after rounding the inputs) plus an ulp."""
+    torch = pytest.importorskip("torch")
+    lengths_q, lengths_k = [1, 0, 300, 77, 128], [1, 5, 300, 200, 128]
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 8, 2, head_dim)
+    k_pages, v_pages, table, used = paged(rng, lengths_k, 16, 2, head_dim)
+    cuda = [torch.from_numpy(x).to(getattr(torch, dtype)).cuda() for x in (q, k, v, k_pages, v_pages)]
+    q_t, k_t, v_t, kp_t, vp_t = cuda
+    cu_q_t, cu_k_t, table_t, used_t = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k, table, used))
+    for options in (dict(causal=True), dict(causal=True, window=(64, 0), softcap=20.0),
+                    dict(alibi_slopes=torch.rand(8, device="cuda") / 4, sinks=torch.randn(8, device="cuda"))):
+        for args, where in (((q_t, k_t, v_t, cu_q_t, cu_k_t), {}),
+                            ((q_t, kp_t, vp_t, cu_q_t, None), dict(page_table=table_t, seqused_k=used_t))):
+            out = torch.full_like(q_t[..., :head_dim], float("nan"))  # poisoned
+            o = numattn.attention_varlen(*args, 300, 300, out=out, **where, **options)
+            ref_o = reference.attention_varlen(*args, **where, **options)
+            low = torch.zeros_like(o)
+            for b in range(len(lengths_q)):
+                rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+                if rows.stop > rows.start:
+                    alone = torch_attention(*(x[None].transpose(1, 2) for x in (q_t[rows], k_t[keys], v_t[keys])),
+                                            options.get("causal", False), options.get("window"),
+                                            options.get("softcap"), options.get("alibi_slopes"), options.get("sinks"))
+                    low[rows] = alone[0].transpose(0, 1)
+            low_error = max_error(low, ref_o)
+            assert max_error(o, ref_o) <= 2 * low_error + ATOL[dtype] / 4, (options, where)
