@@ -177,6 +177,48 @@ def test_unchecked_bad_offsets_read_nothing_outside(rng):
     assert np.isfinite(o).all()
 
 
+def test_the_gpu_check_finds_what_the_host_check_finds():
+    """The GPU's check of a varlen call's index arrays (``kernels/index_check.py``, run on host arrays here)
+    records the same bad value as the host check, for each kind of bad value alone."""
+    from numattn.kernels import index_check
+    from numattn.kernels.launch import compiled
+    from numattn.ops.checks import first_varlen_problem
+
+    def on_gpu(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, page_size=4, num_pages=6):
+        claim, record = np.zeros(1, np.int32), np.zeros(index_check.RECORD_WORDS, np.int32)
+        kernel = compiled(index_check.varlen_check_kernel(cu_k is not None, used is not None, table is not None),
+                          None, 0, 0, "varlen index check")
+        placeholders = (np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros((1, 1), np.int32))
+        cu_k_arg, used_arg, table_arg = (x if x is not None else empty for x, empty in zip((cu_k, used, table),
+                                                                                          placeholders, strict=True))
+        grid = index_check.grid(len(cu_q) - 1, table_arg.shape[1])
+        kernel.launch_arrays(grid, index_check.THREADS, cu_q, cu_k_arg, used_arg, table_arg, total_q, total_k,
+                             max_seqlen_q, page_size, num_pages, claim, record)
+        return record.tolist()
+
+    def on_host(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, page_size=4, num_pages=6):
+        found = first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, page_size, num_pages)
+        return [0] * index_check.RECORD_WORDS if found is None else [int(x) for x in found]
+
+    i32 = lambda *values: np.array(values, np.int32)  # noqa: E731
+    table = i32([0, 1], [2, 3])
+    cases = [
+        (i32(0, 3, 8), i32(0, 4, 10), None, None),  # good
+        (i32(1, 3, 8), i32(0, 4, 10), None, None),
+        (i32(0, 4, 3), i32(0, 4, 10), None, None),
+        (i32(0, 3, 9), i32(0, 4, 10), None, None),
+        (i32(0, 2, 8), i32(0, 4, 10), None, None),  # 6 queries, max_seqlen_q 5
+        (i32(0, 3, 8), i32(0, 4, 11), None, None),
+        (i32(0, 3, 8), i32(0, 4, 10), i32(4, 7), None),
+        (i32(0, 3, 8), None, i32(4, 9), table),
+        (i32(0, 3, 8), None, i32(4, 5), i32([0, 1], [2, 6])),
+        (i32(0, 3, 8), None, i32(4, 4), i32([0, 1], [2, 6])),  # the bad page unused
+    ]
+    for case in cases:
+        assert on_gpu(*case) == on_host(*case), case
+    assert on_gpu(*cases[0]) == [0] * index_check.RECORD_WORDS and on_gpu(*cases[-1])[0] == 0
+
+
 def _arguments(rng):
     q, k, v, cu_q, cu_k = packed(rng, [3, 5], [4, 6], 4, 2, 16)
     k_pages, v_pages, table, used = paged(rng, [4, 6], 4, 2, 16)
@@ -198,8 +240,8 @@ def _arguments(rng):
     (dict(max_seqlen_q=5.0), TypeError, "max_seqlen_q must be an int, got float"),
     (dict(max_seqlen_k=0), ValueError, r"max_seqlen_k must be in \[1, 2\*\*31 - 1\], got 0"),
     (dict(cu_seqlens_q=np.array([1, 3, 8], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
-    (dict(cu_seqlens_q=np.array([0, 6, 5], np.int32)), ValueError, r"cu_seqlens_q must not decrease, got "
-     r"cu_seqlens_q\[1\] = 6 > cu_seqlens_q\[2\] = 5"),
+    (dict(cu_seqlens_q=np.array([0, 4, 3], np.int32)), ValueError, r"cu_seqlens_q must not decrease, got "
+     r"cu_seqlens_q\[1\] = 4 > cu_seqlens_q\[2\] = 3"),
     (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 9 exceeds total_q"),
     (dict(max_seqlen_q=4), ValueError, "sequence 1 has 5 queries .* more than max_seqlen_q = 4"),
     (dict(cu_seqlens_k=np.array([0, 4, 11], np.int32)), ValueError, r"cu_seqlens_k\[-1\] = 11 exceeds total_k"),
@@ -263,3 +305,21 @@ def test_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim):
                     low[rows] = alone[0].transpose(0, 1)
             low_error = max_error(low, ref_o)
             assert max_error(o, ref_o) <= 2 * low_error + ATOL[dtype] / 4, (options, where)
+
+
+@pytest.mark.gpu
+def test_checked_calls_report_bad_offsets_without_a_synchronisation(rng):
+    """check=True on CUDA tensors: a bad offset is raised by the next checked call on the GPU, naming it."""
+    torch = pytest.importorskip("torch")
+    q, k, v, cu_q, cu_k = packed(rng, [3, 5], [4, 6], 4, 2, 64)
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x).cuda() for x in (q, k, v, cu_q, cu_k))
+    q, k, v = (x.half() for x in (q, k, v))
+    numattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6)
+    bad = cu_k.clone()
+    bad[2] = 11
+    numattn.attention_varlen(q, k, v, cu_q, bad, 5, 6)  # queued; its check reports on the GPU
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] = 11 exceeds total_k \(k.shape\[0\]\) = 10 \(found on"):
+        numattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6)
+    numattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6)  # the report was cleared
+    torch.cuda.synchronize()

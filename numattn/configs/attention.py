@@ -221,6 +221,10 @@ class WgmmaConfig:
 # (168 registers) pressures up to 178 compiled without spilling and 195 and more spilled 52 bytes or
 # more; with two (255), 254 without spilling and 281 spilled 184 bytes.
 REGISTER_SLACK = 12
+# Registers a kernel of packed or paged sequences (``kernels/sequences.py``) asks for beyond the estimate:
+# ptxas counts rose by 10 to 17 over the dense kernel's (head dims 64, 128, 256, the candidates below,
+# unconstrained), and at head dim 256 the fit runs about 10 low; with this many, no candidate chosen spilled.
+SEQUENCES_REGISTERS = 28
 
 
 def wgmma_supported(dtype, head_dim, head_dim_v, cc):
@@ -236,7 +240,7 @@ def wgmma_supported(dtype, head_dim, head_dim_v, cc):
 # the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md).
 _WGMMA_CANDIDATES = {
     64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
-    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
+    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3), WgmmaConfig(128, 2, 3)),
     192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
     256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
 }
@@ -247,13 +251,13 @@ def wgmma_configs(head_dim, head_dim_v):
     return _WGMMA_CANDIDATES[max(head_dim, head_dim_v)]
 
 
-def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
+def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes, extra_registers=0):
     """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
-    and the registers."""
+    and the registers (``extra_registers`` beyond the estimate: a kernel of packed or paged sequences)."""
     candidates = wgmma_configs(head_dim, head_dim_v)
     for config in candidates:
-        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes
-                and config.register_pressure(head_dim, head_dim_v) <= config.register_pressure_limit):
+        pressure = config.register_pressure(head_dim, head_dim_v) + extra_registers
+        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes and pressure <= config.register_pressure_limit:
             return config
     return candidates[-1]
 
@@ -281,7 +285,8 @@ def default_config(p, limits):
     mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
     kinds = fitting_kernels(p, limits)
     if kinds[0] is WgmmaConfig and not SIMULATOR:
-        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"])
+        extra = SEQUENCES_REGISTERS if p.sequences is not None else 0
+        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"], extra)
     if MmaConfig in kinds:
         config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
         if problem_shared_bytes(p, config) <= limits["max_shared"]:

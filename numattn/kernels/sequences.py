@@ -24,9 +24,11 @@ read outside its arrays; the host checks them.
 import functools
 from dataclasses import dataclass
 
-from numba import int32
+import numpy as np
+from numba import int32, uint32
 
 from .._cuda import cuda
+from .ptx import load_readonly_i32
 
 
 @dataclass(frozen=True)
@@ -58,16 +60,19 @@ def row_of_batch(at, row):
 @functools.cache
 def source_row(layout):
     """How a tile copier finds a K/V row: ``row_of_batch``, or for a paged layout ``row_of_pages(at, row)``:
-    ``(page, row within it)`` of key ``row`` of a sequence whose pages ``at = (page_table, b, num_pages)``
-    lists, the page clamped into the page array."""
+    ``(page, row within it)`` of key ``row`` of a sequence whose pages ``at = (page_table, b, last_page)``
+    lists, the page clamped into ``[0, last_page]`` (32-bit arithmetic: a page table's entries are int32;
+    read-only loads, which the compiler may issue ahead of the copies of earlier rows)."""
     if not layout.paged:
         return row_of_batch
-    PAGE_SIZE = layout.page_size
+    PAGE_SIZE = np.uint32(layout.page_size)
+    ZERO = np.int32(0)
 
     @cuda.jit(device=True, forceinline=True)
     def row_of_pages(at, row):
-        table, b, num_pages = at
-        return min(max(table[b, row // PAGE_SIZE], 0), num_pages - 1), row % PAGE_SIZE
+        table, b, last_page = at
+        key = uint32(row)
+        return min(max(load_readonly_i32(table, (b, key // PAGE_SIZE)), ZERO), last_page), key % PAGE_SIZE
 
     return row_of_pages
 
@@ -106,7 +111,7 @@ def block_locator(layout):
         b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
         if PAGED:
             q_at, k_row0 = 0, 0
-            kv_at = (page_table, b, v.shape[0])
+            kv_at = (page_table, b, int32(v.shape[0] - 1))
             q_row0, seqlen_q = _span(cu_q, b, q.shape[2])
             seqlen_kv = seqused_k[b] if SEQUSED else cu_k[b + 1] - cu_k[b]
             seqlen_kv = int32(min(max(seqlen_kv, 0), page_table.shape[1] * PAGE_SIZE))

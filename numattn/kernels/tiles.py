@@ -20,7 +20,7 @@ import functools
 
 import numpy as np
 from llvmlite import ir
-from numba import int64, types
+from numba import types
 from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array, populate_array
 
@@ -87,9 +87,6 @@ def row_major_cell(tile_row0, rows, r, c):
     return tile_row0 + r, c
 
 
-GATHERED_AHEAD = 4  # rows whose source a thread looks up before it issues their copies (see tile_copier)
-
-
 @functools.cache
 def tile_copier(num_threads, place, source=row_of_batch):
     """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
@@ -100,13 +97,9 @@ def tile_copier(num_threads, place, source=row_of_batch):
     read 0), element ``(r, c)`` landing at ``view[place(tile_row0, rows, r, c)]``.
     Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
     when ``chunks`` divides the thread count (the trip count and the per-copy
-    arithmetic are then compile-time constants), chunk by chunk otherwise. A ``source`` that reads
-    memory (a page table) is asked for ``GATHERED_AHEAD`` rows at once before their copies are issued:
-    each copy is ordered after the loads before it, so looking up row by row would wait out a load's
-    latency per row.
+    arithmetic are then compile-time constants), chunk by chunk otherwise.
     """
     NUM_THREADS = num_threads
-    GATHERED = source is not row_of_batch
 
     @cuda.jit(device=True, forceinline=True)
     def copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols):
@@ -114,26 +107,13 @@ def tile_copier(num_threads, place, source=row_of_batch):
         if NUM_THREADS % chunks == 0:
             step = NUM_THREADS // chunks
             first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
-            if GATHERED:
-                arrays, src_rows = cuda.local.array(GATHERED_AHEAD, int64), cuda.local.array(GATHERED_AHEAD, int64)
-                for n0 in range(0, (rows + step - 1) // step, GATHERED_AHEAD):
-                    for n in range(GATHERED_AHEAD):
-                        r = first + (n0 + n) * step
-                        arrays[n], src_rows[n] = source(at, row0 + r if row0 + r < nrows else 0)
-                    for n in range(GATHERED_AHEAD):
-                        r = first + (n0 + n) * step
-                        if r < rows:
-                            view_row, view_col = place(tile_row0, rows, r, c)
-                            cp_async_16(view, view_row, view_col, src, (arrays[n], h, src_rows[n], c),
-                                        16 if row0 + r < nrows else 0)
-            else:
-                for n in range((rows + step - 1) // step):
-                    r = first + n * step
-                    if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
-                        view_row, view_col = place(tile_row0, rows, r, c)
-                        valid = row0 + r < nrows
-                        a, row = source(at, row0 + r if valid else 0)
-                        cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
+            for n in range((rows + step - 1) // step):
+                r = first + n * step
+                if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial
+                    view_row, view_col = place(tile_row0, rows, r, c)
+                    valid = row0 + r < nrows
+                    a, row = source(at, row0 + r if valid else 0)
+                    cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
         else:
             for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
                 r = i // chunks

@@ -1,4 +1,5 @@
-"""Checks of the lengths and page indices that decode calls read (``check=True``, the default).
+"""Checks of the lengths, offsets and page indices that decode and varlen calls read (``check=True``, the
+default).
 
 Host arrays are checked on the host before the launch. Device arrays are checked
 on the GPU by a small kernel queued before the decode kernel
@@ -97,6 +98,68 @@ def _page_message(b, j, value, num_pages):
     return f"page_table[{b}, {j}] = {value} is not a page index in [0, {num_pages})"
 
 
+def varlen_message(kind, b, j, value, limit):
+    """The message of a bad index value of a varlen call, as ``kernels/index_check.py`` records it."""
+    name = ("cu_seqlens_q", "cu_seqlens_k")[j] if j in (0, 1) else ""
+    if kind == index_check.OFFSET_NOT_ZERO:
+        return f"{name} must start at 0, got {name}[0] = {value}"
+    if kind == index_check.OFFSETS_DECREASE:
+        return f"{name} must not decrease, got {name}[{b}] = {limit} > {name}[{b + 1}] = {value}"
+    if kind == index_check.OFFSETS_PAST_ROWS:
+        rows = "total_q (q.shape[0])" if j == 0 else "total_k (k.shape[0])"
+        return f"{name}[-1] = {value} exceeds {rows} = {limit}"
+    if kind == index_check.LONGER_THAN_MAX:
+        return (f"sequence {b} has {value} queries (cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}]), more than "
+                f"max_seqlen_q = {limit}")
+    if kind == index_check.USED_OUT_OF_RANGE:
+        what = "max_pages * page_size" if j else "the sequence's keys in cu_seqlens_k"
+        return f"seqused_k[{b}] = {value} is not in [0, {limit}] ({what})"
+    if kind == index_check.KEYS_ABOVE_PAGES:
+        return f"sequence {b} has {value} keys, more than its page_table row holds (max_pages * page_size = {limit})"
+    return _page_message(b, j, value, limit)
+
+
+def first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, page_size, num_pages):
+    """``(kind, b, j, value, limit)`` of the first bad value among a varlen call's host index arrays (numpy; None
+    for absent ones), as ``kernels/index_check.py`` records it; None when all are good."""
+    for which, cu, rows in ((0, cu_q, total_q), (1, cu_k, None if table is not None else total_k)):
+        if cu is None:
+            continue
+        cu = cu.astype(np.int64)
+        if cu[0] != 0:
+            return index_check.OFFSET_NOT_ZERO, 0, which, cu[0], 0
+        lengths = np.diff(cu)
+        if (lengths < 0).any():
+            b = int(np.argmax(lengths < 0))
+            return index_check.OFFSETS_DECREASE, b, which, cu[b + 1], cu[b]
+        if rows is not None and cu[-1] > rows:
+            return index_check.OFFSETS_PAST_ROWS, len(cu) - 1, which, cu[-1], rows
+        if which == 0 and (lengths > max_seqlen_q).any():
+            b = int(np.argmax(lengths > max_seqlen_q))
+            return index_check.LONGER_THAN_MAX, b, 0, lengths[b], max_seqlen_q
+    capacity = None if table is None else table.shape[1] * page_size
+    keys = None if cu_k is None else np.diff(cu_k.astype(np.int64))
+    if used is not None:
+        used = used.astype(np.int64)
+        limits = np.full(len(used), capacity) if table is not None else keys
+        bad = (used < 0) | (used > limits)
+        if bad.any():
+            b = int(np.argmax(bad))
+            return index_check.USED_OUT_OF_RANGE, b, int(table is not None), used[b], limits[b]
+        keys = used
+    if table is None:
+        return None
+    if (keys > capacity).any():
+        b = int(np.argmax(keys > capacity))
+        return index_check.KEYS_ABOVE_PAGES, b, 0, keys[b], capacity
+    used_pages = np.arange(table.shape[1])[None, :] < -(-keys // page_size)[:, None]
+    bad = used_pages & ((table < 0) | (table >= num_pages))
+    if bad.any():
+        b, j = (int(x) for x in np.argwhere(bad)[0])
+        return index_check.PAGE_OUT_OF_RANGE, b, j, table[b, j], num_pages
+    return None
+
+
 class _Reports:
     """One GPU's report slot: ``claim`` (an int32 in device memory) and ``record`` (int32 in pinned,
     mapped host memory), as ``kernels/index_check.py`` writes them."""
@@ -121,7 +184,9 @@ class _Reports:
         b, j, value, limit = self.record[1:5]
         self.record[0] = 0
         zero_words(self.claim, 1, stream)
-        if kind == index_check.PAGE_OUT_OF_RANGE:
+        if kind >= index_check.OFFSET_NOT_ZERO:
+            message = varlen_message(kind, b, j, value, limit)
+        elif kind == index_check.PAGE_OUT_OF_RANGE:
             message = _page_message(b, j, value, limit)
         else:
             text = "the cache length" if kind == index_check.LENGTH_ABOVE_CACHE else "max_pages * page_size"
@@ -168,3 +233,41 @@ class DeviceIndexCheck:
     def __call__(self, stream, page_table, seqlens):
         self._reports.raise_pending(stream)
         self._launch(stream, page_table, seqlens)
+
+
+def varlen_check_spec(has_cu_k, seqused, paged):
+    """The ``KernelSpec`` of the check kernel of a varlen call with these index arrays."""
+    from numba import types
+
+    i32, i64 = types.int32, types.int64
+    one = types.Array(i32, 1, "A")
+    argtypes = (one, one, one, types.Array(i32, 2, "A"), i64, i64, i64, i64, i64, one, one)
+    return KernelSpec(index_check.varlen_check_kernel, (has_cu_k, seqused, paged), argtypes,
+                      f"varlen index check cu_seqlens_k={has_cu_k} seqused_k={seqused} paged={paged}")
+
+
+class DeviceVarlenCheck:
+    """The check kernel prepared for one varlen call layout (``sequences``: the call's ``Sequences``):
+    ``check(stream, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)`` on data pointers (0 for an absent
+    array) raises what an earlier check on this GPU found, then queues the check of these values on ``stream``."""
+
+    def __init__(self, device, sequences):
+        reports = _REPORTS.get(device)
+        if reports is None:
+            reports = _REPORTS[device] = _Reports(device)
+        self._reports = reports
+        s = sequences
+        spec = varlen_check_spec(s.cu_seqlens_k is not None, s.seqused_k is not None, s.page_table is not None)
+        kernel = compiled(spec.factory(*spec.args), spec.argtypes, device, 0, spec.label)
+        fields, slots = array_fields(s.arrays())
+        page_size = max(s.page_size, 1)
+        fields += [s.total_q, s.total_k, s.max_seqlen_q, page_size, s.total_k // page_size,
+                   *flatten_array(reports.claim, (1,), (1,), 4),
+                   *flatten_array(reports.record_device, (index_check.RECORD_WORDS,), (1,), 4)]
+        max_pages = 1 if s.page_table is None else s.page_table.shape[1]
+        grid = index_check.grid(s.cu_seqlens_q.shape[0] - 1, max_pages)
+        self._launch = kernel.prepare(grid, index_check.THREADS, fields, slots)
+
+    def __call__(self, stream, *pointers):
+        self._reports.raise_pending(stream)
+        self._launch(stream, *pointers)

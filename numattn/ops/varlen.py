@@ -6,16 +6,24 @@ their blocks to (sequence, query tile) through the cumulative lengths (``kernels
 padding, and the plans of ``attention`` run it.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numba import types
 
-from .._arrays import Array, Operand, contiguous_strides, describe, from_dlpack
+from .._arrays import Array, Operand, cai_stream, contiguous_strides, describe, from_dlpack, is_torch, torch_current
+from .._cuda import SIMULATOR
 from ..kernels.sequences import SequenceLayout
 from .attention import MAX_HEAD_DIM, Problem, _options_key, _records_grad, make_plan, out_operand, softmax_scale
-from .checks import check_float_operand, check_index_operand, host_values
-from .plans import PLANS, array_signature
+from .checks import (
+    DeviceVarlenCheck,
+    check_float_operand,
+    check_index_operand,
+    first_varlen_problem,
+    host_values,
+    varlen_message,
+)
+from .plans import PLANS, array_pointer, array_signature
 from .score_mods import score_options
 
 _INT32 = types.Array(types.int32, 1, "A")
@@ -34,6 +42,7 @@ class Sequences:
     total_k: int  # packed key rows, or the page array's keys (num_pages · page_size)
     max_seqlen_q: int
     page_size: int = 0  # keys per page, 0 for packed keys
+    _device_check: object = field(default=None, compare=False, repr=False)  # the GPU's check, made on first use
 
     @property
     def layout(self):
@@ -61,62 +70,26 @@ class Sequences:
         def moved(op):
             return None if op is None else Operand("numba", op.dtype, op.shape, contiguous_strides(op.shape), device)
 
-        return replace(self, **{name: moved(getattr(self, name))
-                                for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")})
+        return replace(self, _device_check=None, **{
+            name: moved(getattr(self, name)) for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "page_table")})
 
-    def check_values(self, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
-        """ValueError for cumulative lengths that do not start at 0, decrease, run past the packed rows or
-        give a sequence more than ``max_seqlen_q`` queries; key counts below 0 or above the keys there are;
-        a page index outside the page array where a sequence uses it. Reads the values on the host."""
-        cu_q = host_values(cu_seqlens_q).astype(np.int64)
-        lengths_q = _checked_offsets(cu_q, "cu_seqlens_q", self.total_q, "total_q (q.shape[0])")
-        if (lengths_q > self.max_seqlen_q).any():
-            b = int(np.argmax(lengths_q > self.max_seqlen_q))
-            raise ValueError(f"sequence {b} has {lengths_q[b]} queries (cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}]), "
-                             f"more than max_seqlen_q = {self.max_seqlen_q}")
-        if cu_seqlens_k is not None:
-            limit = None if self.page_table is not None else self.total_k
-            keys = _checked_offsets(host_values(cu_seqlens_k).astype(np.int64), "cu_seqlens_k", limit,
-                                    "total_k (k.shape[0])")
-        if seqused_k is not None:
-            used = host_values(seqused_k).astype(np.int64)
-            capacity = keys if self.page_table is None else np.full(len(used), self._capacity())
-            bad = (used < 0) | (used > capacity)
-            if bad.any():
-                b = int(np.argmax(bad))
-                what = "the sequence's keys in cu_seqlens_k" if self.page_table is None else "max_pages * page_size"
-                raise ValueError(f"seqused_k[{b}] = {used[b]} is not in [0, {capacity[b]}] ({what})")
-            keys = used
-        if self.page_table is None:
+    def check_values(self, stream, arrays):
+        """Check the values of the call's index arrays ``(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``
+        (None: absent): ValueError for offsets that do not start at 0, decrease or run past the rows, a
+        sequence longer than ``max_seqlen_q``, key counts out of range, or a used page index outside the page
+        array. Host arrays are checked here; device arrays on the GPU, on the raw ``stream`` the call runs on
+        (what the check finds is raised by the next checked call on that GPU: ``ops/checks.py``)."""
+        if self.cu_seqlens_q.device is not None and not SIMULATOR:
+            if self._device_check is None:
+                object.__setattr__(self, "_device_check", DeviceVarlenCheck(self.cu_seqlens_q.device, self))
+            self._device_check(stream, *map(array_pointer, arrays))
             return
-        if (keys > self._capacity()).any():
-            b = int(np.argmax(keys > self._capacity()))
-            raise ValueError(f"sequence {b} has {keys[b]} keys, more than its page_table row holds "
-                             f"(max_pages * page_size = {self._capacity()})")
-        table = host_values(page_table)
-        num_pages = self.total_k // self.page_size
-        used_pages = np.arange(table.shape[1])[None, :] < -(-keys // self.page_size)[:, None]
-        bad = used_pages & ((table < 0) | (table >= num_pages))
-        if bad.any():
-            b, j = (int(x) for x in np.argwhere(bad)[0])
-            raise ValueError(f"page_table[{b}, {j}] = {table[b, j]} is not a page index in [0, {num_pages})")
-
-    def _capacity(self):
-        return self.page_table.shape[1] * self.page_size
-
-
-def _checked_offsets(cu, name, total, total_text):
-    """The lengths of cumulative offsets ``cu``, checked: start at 0, never decrease, end within ``total``
-    (None: no bound)."""
-    if cu[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0] = {cu[0]}")
-    lengths = np.diff(cu)
-    if (lengths < 0).any():
-        b = int(np.argmax(lengths < 0))
-        raise ValueError(f"{name} must not decrease, got {name}[{b}] = {cu[b]} > {name}[{b + 1}] = {cu[b + 1]}")
-    if total is not None and cu[-1] > total:
-        raise ValueError(f"{name}[-1] = {cu[-1]} exceeds {total_text} = {total}")
-    return lengths
+        values = [None if x is None else host_values(x) for x in arrays]
+        page_size = max(self.page_size, 1)
+        found = first_varlen_problem(*values, self.total_q, self.total_k, self.max_seqlen_q, page_size,
+                                     self.total_k // page_size)
+        if found is not None:
+            raise ValueError(varlen_message(*found))
 
 
 def _max_length(value, name):
@@ -298,5 +271,14 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         if key is not None:
             PLANS.store(key, plan)
     if check:
-        plan.problem.sequences.check_values(*sequences)
+        plan.problem.sequences.check_values(_stream(q, plan.problem.device), sequences)
     return plan(q, k, v, out, alibi_slopes, sinks, *sequences)
+
+
+def _stream(q, device):
+    """The raw handle of the stream a call on ``q`` runs on (0 for host arrays)."""
+    if device is None or SIMULATOR:
+        return 0
+    if is_torch(q):
+        return torch_current()[1](device)
+    return cai_stream(q)

@@ -58,6 +58,7 @@ from .copies import (  # noqa: F401
     load_16,
     load_l2_f32,
     load_l2_f32x4,
+    load_readonly_i32,
     st_global_b32_at,
     st_shared_b32,
     st_shared_v2_f32,

@@ -251,6 +251,30 @@ def _load_16(typingctx, src, index):
 _bind(load_16, _load_16)
 
 
+def load_readonly_i32(src, index):
+    """``load_readonly_i32(src, index) -> int32``: ``src[index]`` of a global int32 array (any strides) that
+    the kernel never writes, such as a page table. Emits ``ld.global.nc.s32`` as an instruction without
+    side effects, so that the compiler may issue it ahead of the copies before it (an ordinary load stays
+    behind every ``cp.async``, whose memory clobber orders it)."""
+    return np.int32(src[index])
+
+
+@intrinsic
+def _load_readonly_i32(typingctx, src, index):
+    if not (isinstance(src, types.Array) and src.dtype == types.int32 and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        src_type, index_type = sig.args
+        ptr = _global_address(context, builder, src_type, args[0], index_type, args[1])
+        return _asm(builder, "ld.global.nc.s32 $0, [$1];", "=r,l", _i32, [ptr])
+
+    return types.int32(src, index), codegen
+
+
+_bind(load_readonly_i32, _load_readonly_i32)
+
+
 def load_l2_f32(src, index):
     """``load_l2_f32(src, index) -> float32``: ``src[index]`` of a global float32 array, read through L2
     only (``ld.global.cg.f32``): for data that other blocks of the running kernel wrote, which an
