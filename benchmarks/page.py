@@ -30,7 +30,6 @@ BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated --
 # section the most recent run that covers it
 SOURCES = {
     "attention": "bench-h100-table-2026-11-22",
-    "attention-quick": "bench-h200-2026-11-24d",
     "decode-h200": "bench-h200-2026-11-24d",
     "decode-h100": "bench-h100-2026-11-24f",
     "mla": "bench-h100-2026-11-24c",
@@ -41,6 +40,7 @@ SOURCES = {
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h100-2026-11-27",
+    "varlen": "varlen-h200-2026-11-27",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -163,16 +163,6 @@ def block_attention(data):
     lines += ["", target("at least SDPA flash's speed in the same run on " + ", ".join(f"{w} ({pct(x)})" for w, x in ratios),
                      all(x >= 1 for _, x in ratios))]
     return lines
-
-
-def block_attention_quick(data):
-    rows = []
-    for r in data["attention"]:
-        name, best = best_sdpa(r, "ms")
-        rows.append([attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]), num(r.get("flash_ms"), 3),
-                     num(r.get("cudnn_ms"), 3), num(r.get("efficient_ms"), 3), f"{pct(best / r['numattn_ms'])} ({name})"])
-    return table(["workload", "numattn ms", "TFLOP/s", "SDPA flash ms", "cuDNN ms", "efficient ms",
-                  "numattn / best SDPA"], rows)
 
 
 def block_decode(data):
@@ -385,9 +375,21 @@ def block_variants(data):
     return lines
 
 
+def block_varlen(data):
+    rows = [[r["case"].split(", ")[-1], num(r["ms"], 3), f"{r['over_padded']:.3f}"] for r in data["rows"]]
+    equal = [r for r in data["rows"] if r["case"].startswith("B") and r["case"].endswith(", packed")][0]
+    label = equal["case"].rsplit(", ", 1)[0]
+    lines = table(["layout", "ms", "over the padded batch"], rows[: len(rows) - 2])
+    uneven = data["rows"][-2:]
+    lines += ["", f"- {label}; uneven: {uneven[0]['case'].rsplit(', ', 1)[0]}, padded to the longest "
+              f"{uneven[0]['ms']:.3f} ms, packed {uneven[1]['ms']:.3f} ms.",
+              target(f"equal lengths, packed, within 3% of the padded batch ({equal['over_padded']:.3f})",
+                     equal["over_padded"] <= 1.03)]
+    return lines
+
+
 BLOCKS = {
     "attention": block_attention,
-    "attention-quick": block_attention_quick,
     "decode-h200": block_decode,
     "decode-h100": block_decode,
     "mla": block_mla,
@@ -398,6 +400,7 @@ BLOCKS = {
     "host": block_host,
     "cpu": block_cpu,
     "variants": block_variants,
+    "varlen": block_varlen,
 }
 
 

@@ -123,7 +123,7 @@ def main(argv=None):
         difference = "" if row["max_abs_difference"] is None else f"  max |diff| {row['max_abs_difference']:.3g}"
         print(f"{row['case']:80} {row['ms']:8.3f} ms  {row['over_padded']:6.3f}x{difference}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"facts": run_facts(torch), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"run": run_facts(torch), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

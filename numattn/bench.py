@@ -685,8 +685,10 @@ def run_facts(torch):
                                   capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         revision = None
+    script = Path(sys.argv[0])  # numattn's __main__, or a script such as benchmarks/varlen.py
+    program = ["-m", "numattn"] if script.name == "__main__.py" else [f"{script.parent.name}/{script.name}"]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.executable).name, "-m", "numattn", *sys.argv[1:]]),
+            "command": " ".join([Path(sys.executable).name, *program, *sys.argv[1:]]),
             "gpu": torch.cuda.get_device_name(), "numattn": numattn.__version__, "revision": revision,
             "torch": torch.__version__,
             "cuda": torch.version.cuda, "numba": metadata.version("numba"), "numba-cuda": metadata.version("numba-cuda")}

@@ -67,6 +67,40 @@ class AttentionVariants:
     track_numattn_ms.unit = "ms"
 
 
+class AttentionVarlen:
+    """``attention_varlen`` on packed sequences of one length (B8 L2048 Hq32 Hkv8 D128 bf16 causal), keys
+    packed or in shuffled pages of 16 (``benchmarks/varlen.py`` compares them with the padded batch)."""
+
+    params = (["padded batch", "packed", "paged 16"],)
+    param_names = ["layout"]
+    unit = "ms"
+
+    def setup(self, layout):
+        torch = _cuda_torch()
+        batch, seqlen, dtype = 8, 2048, torch.bfloat16
+        q = torch.randn(batch * seqlen, 32, 128, device="cuda", dtype=dtype)
+        k, v = (torch.randn(batch * seqlen, 8, 128, device="cuda", dtype=dtype) for _ in range(2))
+        cu = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int32, device="cuda")
+        if layout == "padded batch":
+            padded = [x.view(batch, seqlen, *x.shape[1:]) for x in (q, k, v)]
+            self.call = lambda: numattn.attention(*padded, causal=True, layout="bshd")
+        elif layout == "packed":
+            self.call = lambda: numattn.attention_varlen(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+        else:
+            pages = torch.randperm(batch * seqlen // 16, device="cuda").to(torch.int32)
+            k_pages, v_pages = (torch.empty(len(pages), 16, 8, 128, device="cuda", dtype=dtype) for _ in range(2))
+            k_pages[pages.long()], v_pages[pages.long()] = k.view(-1, 16, 8, 128), v.view(-1, 16, 8, 128)
+            table, used = pages.view(batch, -1), torch.full((batch,), seqlen, dtype=torch.int32, device="cuda")
+            self.call = lambda: numattn.attention_varlen(q, k_pages, v_pages, cu, None, seqlen, seqlen, causal=True,
+                                                         page_table=table, seqused_k=used)
+        self.call()  # compile outside the timing
+
+    def track_numattn_ms(self, layout):
+        return cuda_time_ms(self.call)
+
+    track_numattn_ms.unit = "ms"
+
+
 class LaunchOverhead:
     """Host time of one call on tiny inputs: the launcher's overhead."""
 

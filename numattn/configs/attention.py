@@ -237,10 +237,12 @@ def wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 
 # Per widest head dim, candidates in order of preference; the first that fits
-# the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md).
+# the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md); at head
+# dim 128 two warpgroups of 128-key tiles took 0.84-0.97 of the time of three of 64-key tiles on an H100
+# and 0.80-0.95 on an H200 (bf16, six shapes, 2026-11-27), at head dim 64 1.13-1.15 (docs/notes).
 _WGMMA_CANDIDATES = {
     64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
-    128: (WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3), WgmmaConfig(128, 2, 3)),
+    128: (WgmmaConfig(128, 2, 3), WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
     192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
     256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
 }
