@@ -2,8 +2,8 @@
 
 ``numattn.torch.attention(q, k, v, causal=False, scale=None)`` takes (batch, heads, seq, dim)
 tensors (GQA/MQA when k, v have fewer heads), runs numattn's fused forward with its log-sum-exp,
-and on backward recomputes the softmax from it (``ops/backward.py``). Gradients come back in the
-inputs' dtype.
+and on backward recomputes the softmax from it (``ops/backward.py``); ``numattn.torch.attention_varlen``
+does the same for packed sequences of different lengths. Gradients come back in the inputs' dtype.
 """
 
 import numpy as np
@@ -14,6 +14,7 @@ from .ops.attention import attention as _attention
 from .ops.attention import softmax_scale
 from .ops.backward import attention_backward, compile_backward_ahead
 from .ops.score_mods import score_options, softcap_value, window_bounds
+from .ops.varlen import attention_varlen as _attention_varlen
 
 _DTYPES = ("float16", "bfloat16", "float32")
 
@@ -46,6 +47,36 @@ class _Attention(torch.autograd.Function):
             delta = (do.float() * o.float()).sum(-1)
             dsinks = -(torch.exp(sinks.float()[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
         return (*grads, dsinks, None, None, None, None, None)
+
+
+class _AttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                softcap, alibi_slopes):
+        options = score_options(window, softcap, alibi_slopes, sinks, causal, cu_seqlens_q.shape[0] - 1, q.shape[1],
+                                describe(q, "q").device)
+        o, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
+                                   return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
+        ctx.causal, ctx.scale, ctx.options = causal, softmax_scale(scale, q.shape[-1]), options
+        ctx.max_seqlen_k = max_seqlen_k
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, alibi_slopes, sinks, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do.to(q.dtype), causal=ctx.causal, scale=ctx.scale,
+                                        options=ctx.options, alibi=alibi_slopes, sinks=sinks,
+                                        sequences=(cu_q, cu_k, ctx.max_seqlen_k))
+        needs = ctx.needs_input_grad[:3]
+        grads = [g.to(x.dtype) if need else None for g, x, need in zip((dq, dk, dv), (q, k, v), needs, strict=True)]
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # per head h: −Σ_t exp(sink_h − lse[h, t]) · (dO · O)[t, h]
+            delta = (do.float() * o.float()).sum(-1).transpose(0, 1)  # [heads, total_q]
+            dsinks = -(torch.exp(sinks.float()[:, None] - lse) * delta).sum(1).to(sinks.dtype)
+        return (*grads, dsinks, *(None,) * 9)
 
 
 def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: bool = False,
@@ -91,6 +122,59 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: b
         return _Attention.apply(q, k, v, sinks, bool(causal), scale, window, softcap, alibi_slopes)
     return _attention(q, k, v, causal=causal, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                       sinks=sinks, scale=scale)
+
+
+def attention_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_seqlens_q: "torch.Tensor",
+                     cu_seqlens_k: "torch.Tensor", max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                     scale: float | None = None, *, window: tuple | None = None, softcap: float | None = None,
+                     alibi_slopes: "torch.Tensor | None" = None, sinks: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """``numattn.attention_varlen`` on packed sequences, with gradients for q, k and v (whichever require them)
+    and for ``sinks``.
+
+    Parameters
+    ----------
+    q : torch.Tensor ``[total_q, num_heads_q, head_dim]``
+    k, v : torch.Tensor ``[total_k, num_heads_kv, head_dim]`` (``head_dim_v`` for ``v``), packed like ``q``
+    cu_seqlens_q, cu_seqlens_k : int32 torch.Tensor ``[batch + 1]``
+        Cumulative lengths: sequence ``b``'s queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]``, its
+        keys rows ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]``.
+    max_seqlen_q, max_seqlen_k : int
+        The longest sequence's query and key counts.
+    causal, scale, window, softcap, alibi_slopes, sinks
+        As for ``numattn.torch.attention`` (``alibi_slopes`` ``[num_heads_q]`` or ``[batch, num_heads_q]``).
+
+    Returns
+    -------
+    ``o`` ``[total_q, num_heads_q, head_dim_v]`` in q's dtype, with a ``grad_fn`` when torch records gradients
+    through any input. Keys of no sequence get a gradient of 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``numattn.attention_varlen`` does (the index arrays are checked); TypeError for arguments that are
+        not torch tensors. Keys in pages (``page_table``) take no gradients: call ``numattn.attention_varlen``.
+
+    Examples
+    --------
+    >>> import torch, numattn.torch
+    >>> cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    >>> q, k, v = (torch.randn(8, 2, 16, requires_grad=True) for _ in range(3))
+    >>> numattn.torch.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).sum().backward()
+    >>> q.grad.shape
+    torch.Size([8, 2, 16])
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (numattn.attention_varlen takes "
+                            "other arrays, without gradients)")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors if isinstance(x, torch.Tensor)):
+        return _AttentionVarlen.apply(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      bool(causal), scale, window, softcap, alibi_slopes)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                             window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale)
 
 
 class GroupedQueryAttention(torch.nn.Module):

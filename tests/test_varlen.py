@@ -205,7 +205,7 @@ def test_the_gpu_check_finds_what_the_host_check_finds():
     cases = [
         (i32(0, 3, 8), i32(0, 4, 10), None, None),  # good
         (i32(1, 3, 8), i32(0, 4, 10), None, None),
-        (i32(0, 4, 3), i32(0, 4, 10), None, None),
+        (i32(0, 3, 8), i32(0, 6, 5), None, None),
         (i32(0, 3, 9), i32(0, 4, 10), None, None),
         (i32(0, 2, 8), i32(0, 4, 10), None, None),  # 6 queries, max_seqlen_q 5
         (i32(0, 3, 8), i32(0, 4, 11), None, None),
@@ -242,7 +242,8 @@ def _arguments(rng):
     (dict(cu_seqlens_q=np.array([1, 3, 8], np.int32)), ValueError, "cu_seqlens_q must start at 0"),
     (dict(cu_seqlens_q=np.array([0, 4, 3], np.int32)), ValueError, r"cu_seqlens_q must not decrease, got "
      r"cu_seqlens_q\[1\] = 4 > cu_seqlens_q\[2\] = 3"),
-    (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 9 exceeds total_q"),
+    (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 9 must equal total_q"),
+    (dict(cu_seqlens_q=np.array([0, 3, 7], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 7 must equal total_q"),
     (dict(max_seqlen_q=4), ValueError, "sequence 1 has 5 queries .* more than max_seqlen_q = 4"),
     (dict(cu_seqlens_k=np.array([0, 4, 11], np.int32)), ValueError, r"cu_seqlens_k\[-1\] = 11 exceeds total_k"),
     (dict(seqused_k=np.array([4, 7], np.int32)), ValueError, r"seqused_k\[1\] = 7 is not in \[0, 6\]"),

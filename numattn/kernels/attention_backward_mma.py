@@ -45,7 +45,8 @@ from .ptx import (
     st_shared_b32,
 )
 from .score_mods import NO_MODS, crosses_window, score_gradient, window_queries
-from .tiles import NARROW, PAD, key_block, row_major_cell, tile_copier, tile_view
+from .sequences import DENSE, key_block_locator
+from .tiles import NARROW, PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -143,11 +144,28 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS):
     return copy_rows, to_gradients, store_rows, add_dq
 
 
+def backward_kernel(backward, varlen):
+    """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences)``: with
+    packed sequences it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments."""
+    if varlen:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope, cu_seqlens_q, cu_seqlens_k):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, (cu_seqlens_q, cu_seqlens_k))
+    else:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, ())
+    return kernel
+
+
 @functools.lru_cache(maxsize=None)
-def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS):
+def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
     cap_log2, cap_slope)``, the score modifications ``mods`` and their arguments as the forward's (the sinks
-    are in lse2 already: ``sinks`` is unused).
+    are in lse2 already: ``sinks`` is unused); with packed sequences (``sequences``, ``sequences.py``)
+    ``cu_seqlens_q`` and ``cu_seqlens_k`` follow.
 
     ``q, k, v, do``: 4-D (batch, heads, seq, dim) uint16 bit patterns with a
     contiguous last axis and 16-byte aligned rows; ``lse2``, ``delta``: float32
@@ -182,6 +200,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
     copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
     WINDOW, ALIBI = mods.window, mods.alibi
+    VARLEN = sequences.varlen
+    locate = key_block_locator(sequences)
 
     @cuda.jit(device=True, forceinline=True)
     def mma_into(c, mt, n, a0, a1, a2, a3, b0, b1):
@@ -212,21 +232,28 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         a[3] = pack(c[0, n + 1, 2], c[0, n + 1, 3])
 
     @cuda.jit(device=True)
-    def load_query_tile(smem, smem_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
-        """Issue the copies of query tile ``m0`` of head ``h``: Q and dO rows (rows past the end read 0)
+    def load_query_tile(smem, smem_f, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0):
+        """Issue the copies of query tile ``m0`` of head ``h`` (rows from ``q_row0`` of ``q[at, h]``, from ``rows0``
+        of ``lse2[at, h]``, as ``sequences.key_block_locator`` says): Q and dO rows (rows past the end read 0)
         and its rows of lse2 and delta."""
-        copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, BLOCK_M, q, b, h, m0, seqlen_q, D)
-        copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, b, h, m0, seqlen_q, DV)
-        copy_rows(tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
+        copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, BLOCK_M, q, at, h, q_row0 + m0,
+                  q_row0 + seqlen_q, D)
+        copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, at, h, q_row0 + m0,
+                  q_row0 + seqlen_q, DV)
+        copy_rows(tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
-    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-               cap_slope):
+    @cuda.jit(device=True, forceinline=True)
+    def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                 cap_slope, seqs):
+        b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0 = locate(
+            q, k, seqs, BLOCK_N, BLOCK_M, CAUSAL)
+        if VARLEN and n0 >= seqlen_kv:
+            return  # past the sequence's keys
         smem = cuda.shared.array(0, uint16)
         smem_f = cuda.shared.array(0, float32)  # the same bytes, for the float32 rows
-        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        heads, heads_kv = q.shape[1], k.shape[1]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group = heads // heads_kv
-        b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
         if WINDOW:
             m_first, m_tiles = window_queries(n0, BLOCK_N, diagonal, seqlen_q, BLOCK_M, left, right)
         n_iters = group * m_tiles  # (query head, query tile) pairs, head-major
@@ -241,13 +268,13 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         v_s = tile_view(smem, V_OFF, BLOCK_N, V_ROW)
         ds_s = tile_view(smem, DS_OFF, BLOCK_N, DS_ROW)  # dSᵀ: keys × query columns
 
-        copy_tile(k_s, 0, BLOCK_N, k, b, h_kv, n0, seqlen_kv, D)
-        copy_tile(v_s, 0, BLOCK_N, v, b, h_kv, n0, seqlen_kv, DV)
+        copy_tile(k_s, 0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(v_s, 0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
         cp_async_commit()
         for j in range(IN_FLIGHT):
             if j < n_iters:
-                load_query_tile(smem, smem_f, j, q, do, lse2, delta, b,
-                                h_kv * group + j // m_tiles, m_first + (j % m_tiles) * BLOCK_M, seqlen_q)
+                load_query_tile(smem, smem_f, j, q, do, lse2, delta, at, h_kv * group + j // m_tiles,
+                                m_first + (j % m_tiles) * BLOCK_M, q_row0, seqlen_q, rows0)
             cp_async_commit()
 
         dk_acc = cuda.local.array((1, DTILES, 4), float32)
@@ -268,8 +295,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
             stage = it % STAGES
             ahead = it + IN_FLIGHT  # into the stage tile it - 1 used, free since the barrier before its dQ
             if ahead < n_iters:
-                load_query_tile(smem, smem_f, ahead % STAGES, q, do, lse2, delta, b,
-                                h_kv * group + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, seqlen_q)
+                load_query_tile(smem, smem_f, ahead % STAGES, q, do, lse2, delta, at, h_kv * group + ahead // m_tiles,
+                                m_first + (ahead % m_tiles) * BLOCK_M, q_row0, seqlen_q, rows0)
             cp_async_commit()
             cp_async_wait_group(IN_FLIGHT)  # tile it has landed
             cuda.syncthreads()  # and every warp is past the previous tile's dQ, which read dSᵀ
@@ -328,9 +355,10 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
                         mma_into(dq_acc, mt, 2 * np2 + 1, dq_a[mt, 0], dq_a[mt, 1], dq_a[mt, 2], dq_a[mt, 3],
                                  b2, b3)
             for mt in range(DQ_MTILES):
-                add_dq(dq, dq_acc, mt, DQ_TILES, b, h, m0 + dq_row0 + 16 * mt, dq_col0, seqlen_q, scale, g, t)
+                add_dq(dq, dq_acc, mt, DQ_TILES, at, h, q_row0 + m0 + dq_row0 + 16 * mt, dq_col0, q_row0 + seqlen_q,
+                       scale, g, t)
 
-        store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
-        store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, _ONE, g, t)
+        store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
+        store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, _ONE, g, t)
 
-    return cuda.jit(kernel)
+    return cuda.jit(backward_kernel(backward, VARLEN))

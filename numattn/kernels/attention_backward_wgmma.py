@@ -31,7 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .attention_backward_mma import gradient_steps
+from .attention_backward_mma import backward_kernel, gradient_steps
 from .constants import LOG2E_F32
 from .online_softmax import p_fragments
 from .ptx import (
@@ -57,7 +57,8 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
-from .tiles import key_block, sw128_cell, tile_copier, tile_view
+from .sequences import DENSE, key_block_locator
+from .tiles import sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
@@ -67,10 +68,10 @@ DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8
 
 
 @functools.lru_cache(maxsize=None)
-def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS):
+def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
-    cap_log2, cap_slope)``, arguments, score modifications and launch as for ``backward_mma_kernel``
-    (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
+    cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
+    ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
     # each staged dQ row is added by one bulk reduction; every warp issues an equal share of them (a warp
@@ -102,26 +103,32 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     copy_tile = tile_copier(NUM_THREADS, sw128_cell)
     copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
     WINDOW, ALIBI = mods.window, mods.alibi
+    VARLEN = sequences.varlen
+    locate = key_block_locator(sequences)
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
 
     @cuda.jit(device=True)
-    def load_query_tile(view, rows_f, stage, q, do, lse2, delta, b, h, m0, seqlen_q):
+    def load_query_tile(view, rows_f, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0):
         """Issue the copies of query tile ``m0`` of head ``h`` (Q and dO rows, rows past the end read 0) and its
-        rows of lse2 and delta."""
-        copy_tile(view, Q_ROW0 + stage * Q_ROWS, BLOCK_M, q, b, h, m0, seqlen_q, D)
-        copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, b, h, m0, seqlen_q, DV)
-        copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, b, h, m0)
+        rows of lse2 and delta (rows from ``q_row0`` and ``rows0`` of ``[at, h]``: ``sequences.py``)."""
+        copy_tile(view, Q_ROW0 + stage * Q_ROWS, BLOCK_M, q, at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+        copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, at, h, q_row0 + m0, q_row0 + seqlen_q, DV)
+        copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
-    def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-               cap_slope):
+    @cuda.jit(device=True, forceinline=True)
+    def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                 cap_slope, seqs):
+        b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0 = locate(
+            q, k, seqs, BLOCK_N, BLOCK_M, CAUSAL)
+        if VARLEN and n0 >= seqlen_kv:
+            return  # past the sequence's keys
         smem = cuda.shared.array(0, uint16)
         start = aligned_start(smem, SW128_ALIGN)
         view = tile_view(smem, start, VIEW_ROWS, 64)
         rows_f = cuda.shared.array(0, float32)[start // 2 + ROWS_OFF:]  # the same bytes, past the view
-        heads, seqlen_q, heads_kv, seqlen_kv = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
+        heads, heads_kv = q.shape[1], k.shape[1]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group_size = heads // heads_kv
-        b, h_kv, n0, m_first, m_tiles = key_block(q, k, BLOCK_N, BLOCK_M, CAUSAL)
         if WINDOW:
             m_first, m_tiles = window_queries(n0, BLOCK_N, diagonal, seqlen_q, BLOCK_M, left, right)
         n_iters = group_size * m_tiles  # (query head, query tile) pairs, head-major
@@ -135,10 +142,11 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         reducer = lane < ROW_SHARE
         reduced_row = ROW_SHARE * warp + lane  # the dQ row a reducer adds
 
-        copy_tile(view, K_ROW0, BLOCK_N, k, b, h_kv, n0, seqlen_kv, D)
-        copy_tile(view, V_ROW0, BLOCK_N, v, b, h_kv, n0, seqlen_kv, DV)
+        copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
         if n_iters > 0:
-            load_query_tile(view, rows_f, 0, q, do, lse2, delta, b, h_kv * group_size, m_first, seqlen_q)
+            load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h_kv * group_size, m_first, q_row0, seqlen_q,
+                            rows0)
         cp_async_commit()
 
         dk_acc = cuda.local.array((1, DTILES, 4), float32)
@@ -168,8 +176,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
             ahead = it + 1
             if ahead < n_iters:  # into the stage of tile it - 1
-                load_query_tile(view, rows_f, ahead % STAGES, q, do, lse2, delta, b,
-                                h_kv * group_size + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, seqlen_q)
+                load_query_tile(view, rows_f, ahead % STAGES, q, do, lse2, delta, at,
+                                h_kv * group_size + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, q_row0,
+                                seqlen_q, rows0)
             cp_async_commit()
             tile_offsets[0] = start
             fence_registers(tile_offsets, 1)
@@ -248,12 +257,13 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             cuda.syncthreads()  # the tile's dQ rows are staged
             if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
                 if m0 + reduced_row < seqlen_q:
-                    bulk_reduce_add_f32(dq, (b, h, m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW, 4 * D)
+                    bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW,
+                                        4 * D)
                 bulk_commit()
 
         if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
-        store_rows(dk, dk_acc, DTILES, b, h_kv, n0 + key0, seqlen_kv, scale, g, t)
-        store_rows(dv, dv_acc, DVTILES, b, h_kv, n0 + key0, seqlen_kv, 1.0, g, t)
+        store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
+        store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, 1.0, g, t)
 
-    return cuda.jit(kernel)
+    return cuda.jit(backward_kernel(backward, VARLEN))

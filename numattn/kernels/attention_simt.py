@@ -29,8 +29,8 @@ from numba import float32
 from .._cuda import cuda
 from .constants import LN2_F32, LOG2E_F32
 from .score_mods import NO_MODS, window_span
-from .sequences import DENSE, block_locator, row_of_batch, source_row
-from .tiles import NARROW, WIDEN, tile_view
+from .sequences import DENSE, block_locator, source_row
+from .tiles import NARROW, WIDEN, row_of_batch, tile_view
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)

@@ -15,7 +15,7 @@ value`` with ``limit`` pages. The kind is written last, after a system-wide fenc
 
 A varlen call (``varlen_check_kernel``) records, with ``j`` 0 for ``cu_seqlens_q`` and 1 for
 ``cu_seqlens_k``: ``OFFSET_NOT_ZERO`` (``cu[0] = value``), ``OFFSETS_DECREASE`` (``cu[b + 1] = value <
-cu[b] = limit``), ``OFFSETS_PAST_ROWS`` (``cu[b] = value`` beyond ``limit`` rows), ``LONGER_THAN_MAX``
+cu[b] = limit``), ``OFFSETS_PAST_ROWS`` (the last offset ``cu[b] = value`` beyond ``limit`` rows, or for queries other than ``limit``), ``LONGER_THAN_MAX``
 (sequence ``b`` has ``value`` queries, ``limit`` = max_seqlen_q), ``USED_OUT_OF_RANGE``
 (``seqused_k[b] = value`` outside ``[0, limit]``; ``j`` 1 when the keys are paged), ``KEYS_ABOVE_PAGES`` (sequence ``b`` has ``value``
 keys, its page-table row ``limit``) and ``PAGE_OUT_OF_RANGE``.
@@ -76,12 +76,13 @@ def index_check_kernel(paged):
 @cuda.jit(device=True)
 def _check_offsets(claim, record, cu, which, b, rows, batch):
     """Report a bad entry of cumulative offsets ``cu`` (``which``: 0 for queries, 1 for keys) that sequence ``b``
-    reads: a first offset other than 0, a decrease, an offset past ``rows`` (< 0: no bound)."""
+    reads: a first offset other than 0, a decrease, a last offset past ``rows`` (< 0: no bound; the query
+    offsets must end at ``rows``)."""
     if b == 0 and cu[0] != 0:
         _report(claim, record, OFFSET_NOT_ZERO, 0, which, cu[0], 0)
     if cu[b + 1] < cu[b]:
         _report(claim, record, OFFSETS_DECREASE, b, which, cu[b + 1], cu[b])
-    if rows >= 0 and b == batch - 1 and cu[batch] > rows:
+    if rows >= 0 and b == batch - 1 and (cu[batch] > rows or which == 0 and cu[batch] != rows):
         _report(claim, record, OFFSETS_PAST_ROWS, batch, which, cu[batch], rows)
 
 

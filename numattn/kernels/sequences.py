@@ -13,9 +13,13 @@ A kernel specialisation names its layout (``SequenceLayout``, compile-time flags
   constant; key ``n`` of sequence ``b`` is row ``n % page_size`` of page ``page_table[b, n // page_size]``;
   the sequence has ``seqused_k[b]`` keys with ``seqused``, else ``cu_seqlens_k[b + 1] − cu_seqlens_k[b]``.
 
-Such a kernel takes ``cu_seqlens_q [B + 1]``, ``cu_seqlens_k [B + 1]``, ``seqused_k [B]`` and
+A forward kernel takes ``cu_seqlens_q [B + 1]``, ``cu_seqlens_k [B + 1]``, ``seqused_k [B]`` and
 ``page_table [B, max_pages]`` (int32; unused ones of shape 1) after its other arguments, and runs
 on ``cdiv(max_seqlen_q, block_m) · B · Hq`` blocks; those past their sequence's rows return at once.
+A backward kernel (packed keys) takes ``cu_seqlens_q`` and ``cu_seqlens_k`` and runs on
+``cdiv(max_seqlen_k, block_n) · B · Hkv`` blocks; its ``lse2`` and ``delta`` rows of sequence ``b`` start at
+``padded_rows(cu_seqlens_q[b], b)``, a multiple of ``ROWS_ALIGNMENT`` (whole tiles are copied 16 bytes at a
+time, and the rows past a sequence's end read the zeros between sequences).
 Every value read from these arrays is clamped into range (offsets into the packed rows, key counts
 into the page table's capacity, pages into the page array), so that bad values never make a kernel
 read outside its arrays; the host checks them.
@@ -29,6 +33,9 @@ from numba import int32, uint32
 
 from .._cuda import cuda
 from .ptx import load_readonly_i32
+from .tiles import key_block, key_tile, query_tiles, row_of_batch
+
+ROWS_ALIGNMENT = 128  # the start of a sequence's rows of a varlen backward's lse2 and delta; at least any block_m
 
 
 @dataclass(frozen=True)
@@ -49,12 +56,6 @@ class SequenceLayout:
 
 
 DENSE = SequenceLayout()
-
-
-@cuda.jit(device=True, forceinline=True)
-def row_of_batch(at, row):
-    """``(index along axis 0, row)`` of ``row`` of a dense or packed array: ``at`` is the batch index."""
-    return at, row
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def source_row(layout):
 
 
 @cuda.jit(device=True, forceinline=True)
-def _span(cu, b, total):
+def sequence_span(cu, b, total):
     """``(start, length)`` of sequence ``b`` in ``total`` packed rows, clamped into them."""
     start = min(max(cu[b], 0), total)
     return int32(start), int32(min(max(cu[b + 1], start), total) - start)
@@ -112,13 +113,13 @@ def block_locator(layout):
         if PAGED:
             q_at, k_row0 = 0, 0
             kv_at = (page_table, b, int32(v.shape[0] - 1))
-            q_row0, seqlen_q = _span(cu_q, b, q.shape[2])
+            q_row0, seqlen_q = sequence_span(cu_q, b, q.shape[2])
             seqlen_kv = seqused_k[b] if SEQUSED else cu_k[b + 1] - cu_k[b]
             seqlen_kv = int32(min(max(seqlen_kv, 0), page_table.shape[1] * PAGE_SIZE))
         elif VARLEN:
             q_at, kv_at = 0, 0
-            q_row0, seqlen_q = _span(cu_q, b, q.shape[2])
-            k_row0, seqlen_kv = _span(cu_k, b, v.shape[2])
+            q_row0, seqlen_q = sequence_span(cu_q, b, q.shape[2])
+            k_row0, seqlen_kv = sequence_span(cu_k, b, v.shape[2])
             if SEQUSED:
                 seqlen_kv = min(max(seqused_k[b], 0), seqlen_kv)
         else:
@@ -129,5 +130,65 @@ def block_locator(layout):
         if causal:
             n_end = min(seqlen_kv, m0 + block_m + seqlen_kv - seqlen_q)
         return (b, h, h // (heads_q // heads_kv), m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0)
+
+    return locate
+
+
+@cuda.jit(device=True, forceinline=True)
+def padded_rows(q_row0, b):
+    """The first row of sequence ``b``'s lse2 and delta in a varlen backward, for its first packed query row
+    ``q_row0``: ``q_row0 + b · ROWS_ALIGNMENT`` rounded down to a multiple of ``ROWS_ALIGNMENT``, so that the
+    sequences' rows never overlap and each sequence's whole tiles fit before the next one's."""
+    return (q_row0 + b * ROWS_ALIGNMENT) // ROWS_ALIGNMENT * ROWS_ALIGNMENT
+
+
+def padded_rows_count(total_q, batch):
+    """Rows of a varlen backward's lse2 and delta: room for every sequence's rows from ``padded_rows`` and a
+    last tile past them."""
+    return total_q + (batch + 1) * ROWS_ALIGNMENT
+
+
+@cuda.jit(device=True, forceinline=True)
+def sequence_of(cu, row):
+    """The sequence ``b`` whose rows ``cu[b] .. cu[b + 1]`` hold packed ``row`` (``cu`` non-decreasing; the last
+    sequence for a row past them): a binary search."""
+    low, high = 0, cu.shape[0] - 2
+    while low < high:
+        middle = (low + high + 1) // 2
+        if cu[middle] <= row:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+@functools.cache
+def key_block_locator(layout):
+    """Device function ``locate(q, k, sequences, block_n, block_m, causal)`` of the calling block of a backward:
+    ``(b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0)``.
+
+    The block owns keys ``n0 .. n0 + block_n`` of sequence ``b``, KV head ``h_kv``, and visits the
+    ``m_tiles`` query tiles of ``block_m`` rows from ``m_first`` on (``tiles.key_block``'s order and
+    range; ``n0 >= seqlen_kv`` for a block past its sequence's keys). Query row ``i`` of the sequence is
+    row ``q_row0 + i`` of ``q[at, h]`` (``do``, ``dq`` alike) and row ``rows0 + i`` of ``lse2[at, h]`` and
+    ``delta``; key ``j`` row ``k_row0 + j`` of ``k[at, h_kv]`` (``v``, ``dk``, ``dv`` alike). ``sequences``
+    is ``(cu_seqlens_q, cu_seqlens_k)``, or ``()`` for a dense layout.
+    """
+    VARLEN = layout.varlen
+
+    @cuda.jit(device=True, forceinline=True)
+    def locate(q, k, sequences, block_n, block_m, causal):
+        if VARLEN:
+            cu_q, cu_k = sequences
+            heads_kv, pairs = k.shape[1], (cu_q.shape[0] - 1) * k.shape[1]
+            pair, n0 = key_tile(cuda.gridDim.x // pairs, pairs, block_n, causal)
+            b = pair // heads_kv
+            q_row0, seqlen_q = sequence_span(cu_q, b, q.shape[2])
+            k_row0, seqlen_kv = sequence_span(cu_k, b, k.shape[2])
+            m_first, m_tiles = query_tiles(n0, seqlen_q, seqlen_kv, block_m, causal)
+            return (b, pair % heads_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, 0, q_row0, k_row0,
+                    padded_rows(q_row0, b))
+        b, h_kv, n0, m_first, m_tiles = key_block(q, k, block_n, block_m, causal)
+        return b, h_kv, n0, m_first, m_tiles, q.shape[2], k.shape[2], b, 0, 0, 0
 
     return locate

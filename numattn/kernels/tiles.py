@@ -26,7 +26,6 @@ from numba.cuda.np.arrayobj import make_array, populate_array
 
 from .._cuda import cuda
 from .ptx import cp_async_16, cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
-from .sequences import row_of_batch
 
 # Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
 WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
@@ -85,6 +84,12 @@ def _tile_view_gpu(buf, offset, rows, cols):
 def row_major_cell(tile_row0, rows, r, c):
     """``(row, col)`` of element ``(r, c)`` of a row-major tile that starts at row ``tile_row0`` of a view."""
     return tile_row0 + r, c
+
+
+@cuda.jit(device=True, forceinline=True)
+def row_of_batch(at, row):
+    """``(index along axis 0, row)`` of ``row`` of a dense or packed array: ``at`` is the batch index."""
+    return at, row
 
 
 @functools.cache
@@ -173,21 +178,30 @@ def key_block(q, k, block_n, block_m, causal):
     The grid has ``cdiv(seqlen_kv, block_n) · batch · heads_kv`` blocks; this one
     owns keys ``n0 .. n0 + block_n`` of batch ``b``, key/value head ``h_kv``, and
     must visit the ``m_tiles`` query tiles of ``block_m`` rows from row
-    ``m_first`` on (under causal masking, the first that holds a row seeing key
-    ``n0``). A head's key blocks run together (the dQ rows they add to stay in
-    L2). Under causal masking, where the first key blocks are the longest, the
-    grid walks ``HEAD_GROUP`` (batch, head) pairs at a time, key block by key
-    block, so that the lightest blocks of a group run last.
+    ``m_first`` on (``query_tiles``). The blocks are ordered as ``key_tile`` says.
     """
     heads_kv, seqlen_q, seqlen_kv = k.shape[1], q.shape[2], k.shape[2]
-    key_blocks = (seqlen_kv + block_n - 1) // block_n
-    pairs = k.shape[0] * heads_kv
+    pair, n0 = key_tile((seqlen_kv + block_n - 1) // block_n, k.shape[0] * heads_kv, block_n, causal)
+    m_first, m_tiles = query_tiles(n0, seqlen_q, seqlen_kv, block_m, causal)
+    return pair // heads_kv, pair % heads_kv, n0, m_first, m_tiles
+
+
+@cuda.jit(device=True, forceinline=True)
+def key_tile(key_blocks, pairs, block_n, causal):
+    """``(pair, n0)``: the (batch, key/value head) pair and first key of the calling block of a backward grid of
+    ``key_blocks · pairs`` blocks. A head's key blocks run together (the dQ rows they add to stay in L2).
+    Under causal masking, where the first key blocks are the longest, the grid walks ``HEAD_GROUP`` pairs
+    at a time, key block by key block, so that the lightest blocks of a group run last."""
     size = HEAD_GROUP if causal else 1
     group = cuda.blockIdx.x // (size * key_blocks)
     within = cuda.blockIdx.x - group * size * key_blocks
     group_pairs = min(size, pairs - group * size)  # the last group may be smaller
-    n0 = (within // group_pairs) * block_n
-    pair = group * size + within % group_pairs
+    return group * size + within % group_pairs, (within // group_pairs) * block_n
+
+
+@cuda.jit(device=True, forceinline=True)
+def query_tiles(n0, seqlen_q, seqlen_kv, block_m, causal):
+    """``(m_first, m_tiles)``: the query tiles of ``block_m`` rows a backward block of keys from ``n0`` visits
+    (under causal masking from the first that holds a row seeing key ``n0``)."""
     m_first = max(0, n0 - (seqlen_kv - seqlen_q)) // block_m * block_m if causal else 0
-    m_tiles = max(0, (seqlen_q - m_first + block_m - 1) // block_m)
-    return pair // heads_kv, pair % heads_kv, n0, m_first, m_tiles
+    return m_first, max(0, (seqlen_q - m_first + block_m - 1) // block_m)

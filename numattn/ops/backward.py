@@ -32,6 +32,7 @@ from ..kernels.compile_ahead import KernelSpec, compile_ahead, enabled
 from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
+from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -58,25 +59,27 @@ def _copyable_rows(x):
     return x if aligned else x.contiguous()
 
 
-def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS):
+def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS, sequences=DENSE):
     """The backward's kernel ``name``: ``"rows"`` (delta and the log2-domain LSE of each query row), ``"dq"``
     and ``"dkdv"`` (CUDA cores), or ``"tiles"``, the tensor-core kernel of ``config``; with the score
-    modifications ``mods``."""
+    modifications ``mods``, over the sequences of layout ``sequences``."""
     if name == "tiles":
-        return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal, mods)
-    rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal, mods)
+        return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal, mods, sequences)
+    rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal, mods, sequences)
     return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
 
 
 @functools.lru_cache(maxsize=64)
-def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS):
+def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, sequences=DENSE):
     """``{name: KernelSpec}`` of the kernels a backward of these operands launches (``config`` None: on CUDA
     cores): their argument types (each array's storage dtype and rank, then the float32 scalars, then
-    but for ``rows`` the score modifications' arguments) are those of the tensors ``attention_backward``
-    passes. Built once per operand kind, not per backward call."""
+    but for ``rows`` the score modifications' arguments, then for packed ``sequences`` the int32 offsets)
+    are those of the tensors ``attention_backward`` passes. Built once per operand kind, not per backward call."""
     storage, f32 = storage_dtype(dtype), np.dtype(np.float32)
     grads = storage if config is not None else f32  # dk and dv: the inputs' dtype on tensor cores
-    what = f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
+    what = (f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
+            + (f" {sequences}" if sequences.varlen else ""))
+    offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
@@ -87,8 +90,9 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS):
     names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows")
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
               "tiles": f"backward {config} {what}"}
-    return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods),
-                             _argtypes(*arrays[name]) + (_MOD_TYPES if name != "rows" else ()), labels[name])
+    return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods, sequences),
+                             _argtypes(*arrays[name]) + ((_MOD_TYPES + offsets) if name != "rows" else offsets[:1]),
+                             labels[name])
             for name in names}
 
 
@@ -113,28 +117,30 @@ def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device, mods=NO_
         compile_ahead(_backward_specs(dtype, head_dim, head_dim_v, causal, config, mods).values(), device)
 
 
-def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None):
+def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
     """Launch the kernel of ``spec`` on ``(*arrays, *scalars)`` and, given ``mods`` ``(mod_arrays, mod_scalars)``,
-    ``(*mod_arrays, *mod_scalars)`` after them: torch tensors (16-bit floats as uint16 storage), float32
-    scalars, the score modifications' ints and float32s."""
+    ``(*mod_arrays, *mod_scalars)`` after them, then the int32 ``offsets`` of packed sequences: torch tensors
+    (16-bit floats as uint16 storage), float32 scalars, the score modifications' ints and float32s."""
     mod_arrays, mod_scalars = mods or ((), ())
     if SIMULATOR:
         views = [host_storage(x, describe(x, "array")) for x in (*arrays, *mod_arrays)]
         compiled(spec.factory(*spec.args), None, 0, shared_bytes, spec.label).launch_arrays(
-            grid, threads, *views[:len(arrays)], *scalars, *views[len(arrays):], *mod_scalars)
+            grid, threads, *views[:len(arrays)], *scalars, *views[len(arrays):], *mod_scalars,
+            *(x.numpy() for x in offsets))
         return
     layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
-    mod_layout = tuple((tuple(x.shape), x.stride()) for x in mod_arrays)
-    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, mod_layout, tuple(mod_scalars),
-                       arrays[0].device.index)
-    launch(stream, *(x.data_ptr() for x in (*arrays, *mod_arrays)))
+    tail_layout = tuple((tuple(x.shape), x.stride()) for x in (*mod_arrays, *offsets))
+    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout, len(mod_arrays),
+                       tuple(mod_scalars), arrays[0].device.index)
+    launch(stream, *(x.data_ptr() for x in (*arrays, *mod_arrays, *offsets)))
 
 
 @functools.lru_cache(maxsize=256)
-def _prepared(spec, grid, threads, shared_bytes, layout, scalars, mod_layout, mod_scalars, device):
+def _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout, mod_count, mod_scalars, device):
     """The prepared launch of ``spec``'s kernel on arrays of ``layout`` (shape and strides of each, their
-    types those of ``spec``), ``scalars``, then arrays of ``mod_layout`` and ``mod_scalars``, built once per
-    training shape rather than on every backward call."""
+    types those of ``spec``), ``scalars``, then the first ``mod_count`` arrays of ``tail_layout`` and
+    ``mod_scalars``, then the rest of ``tail_layout`` (the offsets), built once per training shape rather
+    than on every backward call."""
     launcher = compiled(spec.factory(*spec.args), spec.argtypes, device, shared_bytes, spec.label)
     itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes if isinstance(t, types.Array)]
 
@@ -143,58 +149,118 @@ def _prepared(spec, grid, threads, shared_bytes, layout, scalars, mod_layout, mo
 
     fields, slots = fields_of(layout, itemsizes[:len(layout)])
     fields += list(scalars)
-    mod_fields, mod_slots = fields_of(mod_layout, itemsizes[len(layout):])
-    return launcher.prepare(grid, threads, fields + mod_fields + list(mod_scalars),
-                            slots + [len(fields) + slot for slot in mod_slots])
+    sizes = itemsizes[len(layout):]
+    mod_fields, mod_slots = fields_of(tail_layout[:mod_count], sizes[:mod_count])
+    slots += [len(fields) + slot for slot in mod_slots]
+    fields += mod_fields + list(mod_scalars)
+    offset_fields, offset_slots = fields_of(tail_layout[mod_count:], sizes[mod_count:])
+    slots += [len(fields) + slot for slot in offset_slots]
+    return launcher.prepare(grid, threads, fields + offset_fields, slots)
 
 
-def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS, alibi=None, sinks=None):
+def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS, alibi=None, sinks=None,
+                       sequences=None):
     """``(dq, dk, dv)`` for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o, do`` of one dtype
     (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: dq in float32, dk and dv in the
     inputs' dtype on tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated
-    score modifications (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors."""
+    score modifications (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors.
+
+    With ``sequences`` ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (int32 offsets like the tensors, an int):
+    packed sequences as ``attention_varlen`` takes them, ``q``, ``o``, ``do`` ``[total_q, Hq, D]``, ``k``,
+    ``v`` ``[total_k, Hkv, D]``, ``lse`` ``[Hq, total_q]``; the gradients are packed like their inputs, with
+    rows of no sequence 0."""
     import torch
 
     if SIMULATOR and not simulating():  # no GPU: the CPU path
-        host = [None if x is None else x.detach().float().numpy() for x in (q, k, v, o, lse, do, alibi)]
-        grads = cpu.attention_backward(*host[:6], scale, causal, options.window, options.softcap, host[6])
-        return tuple(torch.from_numpy(g) for g in grads)
+        return _cpu_backward(q, k, v, o, lse, do, causal, scale, options, alibi, sequences)
     if not SIMULATOR and not q.is_cuda:  # host tensors on a GPU machine: computed on the GPU, as the forward is
         moved = [None if x is None else x.cuda() for x in (q, k, v, o, lse, do, alibi, sinks)]
+        moved_sequences = None if sequences is None else (sequences[0].cuda(), sequences[1].cuda(), sequences[2])
         grads = attention_backward(*moved[:6], causal=causal, scale=scale, options=options, alibi=moved[6],
-                                   sinks=moved[7])
+                                   sinks=moved[7], sequences=moved_sequences)
         return tuple(g.cpu() for g in grads)
     dtype = str(q.dtype).removeprefix("torch.")
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    batch, heads, seqlen_q = q.shape[:3]
-    heads_kv, seqlen_kv = k.shape[1:3]
     config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
-    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods)
+    layout = DENSE if sequences is None else SequenceLayout(varlen=True)
+    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods, layout)
     unused = torch.zeros(1, dtype=torch.float32, device=q.device)
+    if sequences is None:
+        batch, heads, seqlen_q = q.shape[:3]
+        heads_kv, seqlen_kv = k.shape[1:3]
+        offsets, views = (), (q, k, v, o, do)
+        new = torch.empty  # every gradient row is written
+        # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
+        rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
+        rows_shape, row_count = (batch, heads, rows), batch * heads * rows
+    else:
+        cu_q, cu_k, seqlen_kv = sequences
+        offsets, batch = (cu_q, cu_k), cu_q.shape[0] - 1
+        heads, heads_kv = q.shape[1], k.shape[1]
+        views = tuple(x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o, do))  # [1, heads, total, dim]
+        lse = lse.unsqueeze(0)
+        new = torch.zeros  # rows of no sequence stay 0
+        rows_shape, row_count = (1, heads, padded_rows_count(q.shape[0], batch)), heads * q.shape[0]
+    q4, k4, v4, o4, do4 = views
     mods = ((unused[None] if alibi is None else alibi.float().expand(batch, heads),
              unused if sinks is None else sinks.float()), tuple(options.scalars()))
 
-    # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
-    rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
-    delta = torch.empty(batch, heads, rows, dtype=torch.float32, device=q.device)
-    lse2 = torch.empty_like(delta)
-    _launch(specs["rows"], rows_grid(delta.numel(), ROW_THREADS), THREADS, 0, (o, do, lse.float(), delta, lse2), (),
-            stream)
+    delta = new(rows_shape, dtype=torch.float32, device=q.device)
+    lse2 = new(rows_shape, dtype=torch.float32, device=q.device)
+    _launch(specs["rows"], rows_grid(row_count if sequences is not None else delta.numel(), ROW_THREADS), THREADS, 0,
+            (o4, do4, lse.float(), delta, lse2), (), stream, offsets=offsets[:1])
+
+    def packed_like(x, dtype, make):
+        """A gradient for ``x`` (its shape), and its kernel view."""
+        grad = make(x.shape, dtype=dtype, device=x.device)
+        return grad, (grad if sequences is None else grad.unsqueeze(0).transpose(1, 2))
 
     if config is None:
-        dk = torch.empty(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        _launch(specs["dq"], rows_grid(q.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dq),
-                (np.float32(scale),), stream, mods)
-        _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q, k, v, do, lse2, delta, dk, dv),
-                (np.float32(scale),), stream, mods)
+        (dk, dk4), (dv, dv4), (dq, dq4) = (packed_like(x, torch.float32, new) for x in (k, v, q))
+        _launch(specs["dq"], rows_grid(q.numel() // head_dim), THREADS, 0, (q4, k4, v4, do4, lse2, delta, dq4),
+                (np.float32(scale),), stream, mods, offsets)
+        _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q4, k4, v4, do4, lse2, delta, dk4, dv4),
+                (np.float32(scale),), stream, mods, offsets)
         return dq, dk, dv
-    q, k, v, do = (_copyable_rows(x) for x in (q, k, v, do))
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the kernel adds each key tile's share
-    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
+    dq, dq4 = packed_like(q, torch.float32, torch.zeros)  # the kernel adds each key tile's share
+    (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
-            (q, k, v, do, lse2, delta, dq, dk, dv), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream, mods)
+            (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
+            mods, offsets)
     return dq, dk, dv
+
+
+def _cpu_backward(q, k, v, o, lse, do, causal, scale, options, alibi, sequences):
+    """``attention_backward`` on the CPU path: each packed sequence alone (``sequences``), else the batch."""
+    import torch
+
+    def host(x):
+        return None if x is None else x.detach().float().numpy()
+
+    slopes = host(alibi)
+    if sequences is None:
+        grads = cpu.attention_backward(*map(host, (q, k, v, o, lse, do)), scale, causal, options.window,
+                                       options.softcap, slopes)
+        return tuple(torch.from_numpy(g) for g in grads)
+    cu_q, cu_k = (x.cpu().numpy().astype(np.int64) for x in sequences[:2])
+    grads = [torch.zeros(x.shape, dtype=torch.float32) for x in (q, k, v)]
+    q, k, v, o, do = (host(x) for x in (q, k, v, o, do))
+    lse = host(lse)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if rows.stop <= rows.start or keys.stop <= keys.start:
+            continue  # no query or no key: no gradient
+
+        def alone(x, span):
+            return np.ascontiguousarray(x[span].transpose(1, 0, 2)[None])  # [1, heads, rows, dim]
+
+        sequence_grads = cpu.attention_backward(alone(q, rows), alone(k, keys), alone(v, keys), alone(o, rows),
+                                                lse[None, :, rows], alone(do, rows), scale, causal, options.window,
+                                                options.softcap, None if slopes is None else
+                                                np.broadcast_to(slopes, (len(cu_q) - 1, q.shape[1]))[b : b + 1])
+        for grad, span, value in zip(grads, (rows, keys, keys), sequence_grads, strict=True):
+            grad[span] = torch.from_numpy(value[0].transpose(1, 0, 2))
+    return tuple(grads)

@@ -106,8 +106,9 @@ def varlen_message(kind, b, j, value, limit):
     if kind == index_check.OFFSETS_DECREASE:
         return f"{name} must not decrease, got {name}[{b}] = {limit} > {name}[{b + 1}] = {value}"
     if kind == index_check.OFFSETS_PAST_ROWS:
-        rows = "total_q (q.shape[0])" if j == 0 else "total_k (k.shape[0])"
-        return f"{name}[-1] = {value} exceeds {rows} = {limit}"
+        if j == 0:
+            return f"{name}[-1] = {value} must equal total_q (q.shape[0]) = {limit}: every query row in a sequence"
+        return f"{name}[-1] = {value} exceeds total_k (k.shape[0]) = {limit}"
     if kind == index_check.LONGER_THAN_MAX:
         return (f"sequence {b} has {value} queries (cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}]), more than "
                 f"max_seqlen_q = {limit}")
@@ -132,7 +133,7 @@ def first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q
         if (lengths < 0).any():
             b = int(np.argmax(lengths < 0))
             return index_check.OFFSETS_DECREASE, b, which, cu[b + 1], cu[b]
-        if rows is not None and cu[-1] > rows:
+        if rows is not None and (cu[-1] > rows or which == 0 and cu[-1] != rows):
             return index_check.OFFSETS_PAST_ROWS, len(cu) - 1, which, cu[-1], rows
         if which == 0 and (lengths > max_seqlen_q).any():
             b = int(np.argmax(lengths > max_seqlen_q))

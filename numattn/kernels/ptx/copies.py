@@ -346,7 +346,7 @@ def bulk_reduce_add_f32(dst, index, src, offset, nbytes):
     """``bulk_reduce_add_f32(dst, index, src, offset, nbytes)``: add ``nbytes`` bytes of float32 elements,
     contiguous in shared ``src`` from element ``offset`` on, to the elements of ``dst`` from ``index`` on.
 
-    ``dst`` is a global float32 array, contiguous over the range, ``index`` a
+    ``dst`` is a global float32 array whose last axis is contiguous and holds the range, ``index`` a
     tuple of ``dst.ndim`` ints; ``src`` a 1-D shared float32 array; both
     16-byte aligned there, ``nbytes`` a multiple of 16. One thread issues it:
     ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``, which reads
@@ -354,11 +354,10 @@ def bulk_reduce_add_f32(dst, index, src, offset, nbytes):
     first; ``bulk_commit()`` and ``bulk_wait_read(0)`` before writing it again)
     and adds in L2 without a round trip per element. The twin adds at once, under a lock.
     """
-    flat = np.asarray(getattr(dst, "_ary", dst)).reshape(-1)  # a view: dst is contiguous over the range
-    first = int(np.ravel_multi_index(index, dst.shape))
-    count = int(nbytes) // 4
+    row = np.asarray(getattr(dst, "_ary", dst))[tuple(index[:-1])]  # a view, whatever the other axes' strides
+    first, count = int(index[-1]), int(nbytes) // 4
     with _reduction_lock:
-        flat[first : first + count] += src[offset : offset + count]
+        row[first : first + count] += src[offset : offset + count]
 
 
 @intrinsic
