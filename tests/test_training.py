@@ -184,9 +184,9 @@ def test_backward_kernel_specs_type_the_tensors_it_launches_on(monkeypatch):
     launched = []
     launch = backward_module._launch
 
-    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None):
-        launched.append((spec, arrays, scalars, mods or ((), ())))
-        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods)
+    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
+        launched.append((spec, arrays, scalars, mods or ((), ()), offsets))
+        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods, offsets)
 
     def typed(tensors):
         return tuple(types.Array(numba.from_dtype(storage_dtype(str(x.dtype).removeprefix("torch."))), x.dim(), "A")
@@ -198,11 +198,16 @@ def test_backward_kernel_specs_type_the_tensors_it_launches_on(monkeypatch):
         q, k, v = (leaf(s, dtype, device) for s in [(1, 2, 5, head_dim), (1, 1, 7, head_dim), (1, 1, 7, head_dim)])
         nt.attention(q, k, v, causal=True).sum().backward()
         nt.attention(q, k, v, causal=True, window=(2, 0), alibi_slopes=torch.ones(2, device=device)).sum().backward()
+        packed = [leaf((7, 2, head_dim), dtype, device), leaf((9, 1, head_dim), dtype, device),
+                  leaf((9, 1, head_dim), dtype, device)]
+        cu_q, cu_k = (torch.tensor(x, dtype=torch.int32, device=device) for x in ([0, 3, 7], [0, 4, 9]))
+        nt.attention_varlen(*packed, cu_q, cu_k, 4, 5, causal=True).sum().backward()
     assert {spec.args[0] for spec, *_ in launched} == {"rows", "tiles", "dq", "dkdv"}
-    for spec, arrays, scalars, (mod_arrays, mod_scalars) in launched:
+    assert any(offsets for *_, offsets in launched)
+    for spec, arrays, scalars, (mod_arrays, mod_scalars), offsets in launched:
         mod_types = tuple(types.int64 if isinstance(x, int) else types.float32 for x in mod_scalars)
-        assert spec.argtypes == (typed(arrays) + (types.float32,) * len(scalars) + typed(mod_arrays) + mod_types), (
-            spec.label)
+        assert spec.argtypes == (typed(arrays) + (types.float32,) * len(scalars) + typed(mod_arrays) + mod_types
+                                 + tuple(types.Array(types.int32, 1, "A") for _ in offsets)), spec.label
 
 
 @pytest.mark.gpu

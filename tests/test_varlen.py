@@ -219,6 +219,61 @@ def test_the_gpu_check_finds_what_the_host_check_finds():
     assert on_gpu(*cases[0]) == [0] * index_check.RECORD_WORDS and on_gpu(*cases[-1])[0] == 0
 
 
+def sequence_gradients(q, k, v, do, cu_q, cu_k, sinks=None, dtype=None, **options):
+    """``(o, dq, dk, dv, dsinks)`` of packed sequences, each through torch autograd of the helpers' torch attention
+    in ``dtype`` (float64 by default: the reference; the inputs' own for the error of a plain low-precision
+    implementation)."""
+    import torch
+
+    dtype = dtype or torch.float64
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+    sink = None if sinks is None else sinks.detach().double().requires_grad_()
+    slopes = options.pop("alibi_slopes", None)
+    o = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=dtype)
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rows.stop > rows.start:
+            alone = torch_attention(*(x[None, span].transpose(1, 2) for x, span in zip(leaves, (rows, keys, keys),
+                                                                                       strict=True)),
+                                    options.get("causal", False), options.get("window"), options.get("softcap"),
+                                    None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes).double(),
+                                    sink)
+            o[rows] = alone[0].transpose(0, 1).to(dtype)
+    o.backward(do.to(dtype))
+    return o, *(x.grad for x in leaves), None if sink is None else sink.grad
+
+
+@pytest.mark.parametrize("path, dtype, head_dim", [("cpu", "float32", 32), ("simulator", "float32", 32),
+                                                   ("simulator", "float16", 48), ("simulator", "bfloat16", 64)],
+                         ids=["cpu", "cuda-cores", "mma", "wgmma"])
+def test_gradients_of_packed_sequences(rng, path, dtype, head_dim):
+    """``numattn.torch.attention_varlen``'s gradients (the sinks' too) with options, GQA, an empty sequence, one
+    of a single row and more keys than queries: the CPU path, and in the simulator each backward kernel family
+    (the CUDA-core kernels, mma.sync at head dim 48, wgmma at 64), against float64 autograd."""
+    torch = pytest.importorskip("torch")
+    import numattn.torch as numattn_torch
+
+    q, k, v, cu_q, cu_k = packed(rng, [3, 0, 19, 1, 7], [4, 2, 25, 3, 7], 4, 2, head_dim)
+    q, k, v = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, k, v))
+    cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+    do = torch.from_numpy(rng.standard_normal(q.shape, np.float32)).to(q.dtype)
+    atol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
+    for base in (OPTION_SETS[1], OPTION_SETS[5]):
+        options = {name: torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+                   for name, x in resolved(rng, base, 5, 4).items()}
+        sinks = options.pop("sinks", None)
+        sink = None if sinks is None else sinks.clone().requires_grad_()
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        with numattn.simulate(path == "simulator"):
+            numattn_torch.attention_varlen(*leaves, cu_q, cu_k, 19, 25, sinks=sink, **options).backward(do)
+        expected = sequence_gradients(q, k, v, do, cu_q, cu_k, sinks, **options)[1:]
+        for name, got, want in zip(("dq", "dk", "dv", "dsinks"), [x.grad for x in leaves] + [
+                None if sink is None else sink.grad], expected, strict=True):
+            if want is not None:
+                error = (got.double() - want).abs().max().item()
+                assert error <= atol * (1 + want.abs().max().item()), (options, name, error)
+
+
 def _arguments(rng):
     q, k, v, cu_q, cu_k = packed(rng, [3, 5], [4, 6], 4, 2, 16)
     k_pages, v_pages, table, used = paged(rng, [4, 6], 4, 2, 16)
@@ -324,3 +379,34 @@ def test_checked_calls_report_bad_offsets_without_a_synchronisation(rng):
         numattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6)
     numattn.attention_varlen(q, k, v, cu_q, cu_k, 5, 6)  # the report was cleared
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64), ("float16", 80), ("float32", 64)])
+def test_gradients_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim):
+    """On the GPU: the gradients of packed sequences with options within twice the error of the same
+    computation in the low precision (plus an ulp-scale term), against float64."""
+    torch = pytest.importorskip("torch")
+    import numattn.torch as numattn_torch
+
+    lengths_q, lengths_k = [1, 0, 300, 77, 128], [1, 5, 300, 200, 128]
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 8, 2, head_dim)
+    q, k, v = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, k, v))
+    do = torch.from_numpy(rng.standard_normal(q.shape, np.float32)).to(q.dtype)
+    cu_q_t, cu_k_t = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
+    for options in (dict(causal=True), dict(causal=True, window=(64, 0), softcap=20.0,
+                                            alibi_slopes=torch.rand(8) / 4)):
+        sinks = torch.randn(8)
+        leaves = [x.cuda().requires_grad_() for x in (q, k, v)]
+        sink = sinks.cuda().requires_grad_()
+        gpu_options = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in options.items()}
+        numattn_torch.attention_varlen(*leaves, cu_q_t.cuda(), cu_k_t.cuda(), 300, 300, sinks=sink,
+                                       **gpu_options).backward(do.cuda())
+        expected = sequence_gradients(q, k, v, do, cu_q, cu_k, sinks, **dict(options))
+        low = sequence_gradients(q, k, v, do, cu_q, cu_k, sinks, dtype=q.dtype, **dict(options))
+        for name, got, want, plain in zip(("dq", "dk", "dv"), [x.grad.cpu() for x in leaves], expected[1:4], low[1:4],
+                                          strict=True):
+            error = (got.double() - want).abs().max().item()
+            low_error = (plain.double() - want).abs().max().item()
+            assert error <= 2 * low_error + 1e-3 * (1 + want.abs().max().item()), (options, name, error, low_error)
+        assert (sink.grad.cpu().double() - expected[4]).abs().max().item() <= 1e-2 * (1 + expected[4].abs().max())
