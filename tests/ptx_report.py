@@ -155,6 +155,9 @@ def training_and_mla_variants():
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward)
+    yield ("backward-wgmma-bfloat16-causal1-d128-varlen",
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
+           backward + SEQUENCE_SIGNATURE[:2])
     mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
            types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)
     for heads in (16, 128):

@@ -258,7 +258,7 @@ def test_gradients_of_packed_sequences(rng, path, dtype, head_dim):
     cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)
     do = torch.from_numpy(rng.standard_normal(q.shape, np.float32)).to(q.dtype)
     atol = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}[dtype]
-    for base in (OPTION_SETS[1], OPTION_SETS[5]):
+    for base in (OPTION_SETS[1], OPTION_SETS[5]) if path == "cpu" else (OPTION_SETS[5],):  # the simulator is slow
         options = {name: torch.from_numpy(x) if isinstance(x, np.ndarray) else x
                    for name, x in resolved(rng, base, 5, 4).items()}
         sinks = options.pop("sinks", None)

@@ -144,8 +144,8 @@ def padded_rows(q_row0, b):
 
 def padded_rows_count(total_q, batch):
     """Rows of a varlen backward's lse2 and delta: room for every sequence's rows from ``padded_rows`` and a
-    last tile past them."""
-    return total_q + (batch + 1) * ROWS_ALIGNMENT
+    last tile past them, a multiple of ``ROWS_ALIGNMENT`` (so that each head's rows start 16-byte aligned)."""
+    return -(-(total_q + (batch + 1) * ROWS_ALIGNMENT) // ROWS_ALIGNMENT) * ROWS_ALIGNMENT
 
 
 @cuda.jit(device=True, forceinline=True)
