@@ -63,7 +63,7 @@ class Sequences:
     def host_arrays(self, *arrays):
         """The kernels' four arguments as int32 numpy arrays from the call's (None for absent ones)."""
         return [np.zeros(absent[0], np.int32) if x is None else np.asarray(host_values(x), np.int32)
-                for x, (absent) in zip(arrays, _ABSENT, strict=True)]
+                for x, absent in zip(arrays, _ABSENT, strict=True)]
 
     def on_device(self, device):
         """These sequences with contiguous copies of the arrays on GPU ``device`` (host arrays run there)."""
@@ -203,7 +203,7 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         with ``page_table`` pages ``[num_pages, page_size, num_heads_kv, head_dim]`` (any page size).
         ``num_heads_q`` must be a multiple of ``num_heads_kv`` (GQA, MQA).
     cu_seqlens_q : int32 ``[batch + 1]``
-        Cumulative query counts: 0, then each sequence's end.
+        Cumulative query counts: 0, then each sequence's end, the last ``total_q``.
     cu_seqlens_k : int32 ``[batch + 1]`` or None
         Cumulative key counts; may be None with ``page_table`` and ``seqused_k``.
     max_seqlen_q, max_seqlen_k : int
@@ -220,11 +220,12 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         Each sequence's key count: with ``page_table`` (else taken from ``cu_seqlens_k``), or at most the
         keys ``cu_seqlens_k`` gives it.
     check : bool
-        Check the values of the index arrays on the host (device arrays are copied to the host, a
-        synchronisation): ``ValueError`` for offsets that do not start at 0, decrease or run past the
-        rows, a sequence longer than ``max_seqlen_q``, key counts out of range or a page index outside
-        the page array. Unchecked, bad values are clamped into range: the kernels read nothing outside
-        the arrays, but the output is undefined.
+        Check the values of the index arrays: ``ValueError`` for offsets that do not start at 0, decrease,
+        or run past the rows (the query offsets must end at ``total_q``), a sequence longer than
+        ``max_seqlen_q``, key counts out of range or a page index outside the page array. Host arrays are
+        checked before the call; device arrays on the GPU without a synchronisation, what the check finds
+        being raised by the next checked call on that GPU. Unchecked, bad values are clamped into range:
+        the kernels read nothing outside the arrays, but the output is undefined.
 
     Returns
     -------
