@@ -1,8 +1,9 @@
-"""Where a block of an attention forward finds its sequence: a dense batch, a packed batch of
+"""Where a block of an attention kernel finds its sequence: a dense batch, a packed batch of
 variable-length sequences, or keys and values in pages.
 
-A kernel specialisation names its layout (``SequenceLayout``, compile-time flags) and
-``block_locator(layout)`` gives the device function that maps a thread block to its rows:
+A kernel specialisation names its layout (``SequenceLayout``, compile-time flags); ``block_locator(layout)``
+gives the device function that maps a forward's thread block to its rows, ``key_block_locator(layout)``
+a backward's:
 
 * dense: ``q [B, Hq, Sq, D]``, ``k``, ``v [B, Hkv, Skv, D]``; sequence ``b`` is ``q[b]``, ``k[b]``.
 * varlen: packed ``q (total_q, Hq, D)`` reaches the kernel as ``[1, Hq, total_q, D]``; sequence ``b``
