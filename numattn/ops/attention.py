@@ -450,8 +450,7 @@ class _NoGpuPlan:
         elif sequences:
             o, lse = cpu.attention_varlen_forward(
                 *(float32_values(x, p.dtype) for x in views), *p.sequences.host_arrays(*sequences), p.sequences.layout,
-                p.scale, p.causal,
-                p.options.window, p.options.softcap, alibi if p.options.alibi else None,
+                p.scale, p.causal, p.options.window, p.options.softcap, alibi if p.options.alibi else None,
                 sinks if p.options.sinks else None)
             o = rounded_storage(o, p.dtype)
         else:
