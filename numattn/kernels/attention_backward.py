@@ -115,9 +115,9 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequence
 
     @cuda.jit(device=True, forceinline=True)
     def query_row(q, k, row, seqs):
-        """``(inside, b, h, i, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0)`` of the dq kernel's ``row``: query
-        ``i`` of sequence ``b``, head ``h``, at row ``q_row0 + i`` of ``q[at, h]``, row ``rows0 + i`` of
-        ``lse2[at, h]``, its keys from row ``k_row0`` of ``k[at]``."""
+        """``(inside, b, h, i, seqlen_q, seqlen_kv, at, q_row0, k_row0, lse_offset)`` of the dq kernel's ``row``:
+        query ``i`` of sequence ``b``, head ``h``, at row ``q_row0 + i`` of ``q[at, h]`` and row ``q_row0 + i +
+        lse_offset`` of ``lse2[at, h]``, its keys from row ``k_row0`` of ``k[at]``."""
         heads = q.shape[1]
         if VARLEN:
             cu_q, cu_k = seqs
@@ -134,8 +134,8 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequence
 
     @cuda.jit(device=True, forceinline=True)
     def key_row(q, k, row, seqs):
-        """``(inside, b, h_kv, j, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0)`` of the dkdv kernel's ``row``:
-        key ``j`` of sequence ``b``, KV head ``h_kv`` (rows as ``query_row`` says)."""
+        """``(inside, b, h_kv, j, seqlen_q, seqlen_kv, at, q_row0, k_row0, lse_offset)`` of the dkdv kernel's
+        ``row``: key ``j`` of sequence ``b``, KV head ``h_kv`` (rows as ``query_row`` says)."""
         heads_kv = k.shape[1]
         if VARLEN:
             cu_q, cu_k = seqs
