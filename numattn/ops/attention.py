@@ -169,12 +169,7 @@ def validate(q, k, v, out, causal, scale, layout, return_lse, window=None, softc
             raise ValueError(f"{name} has a zero-size dimension: shape {op.shape}")
         if op.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} has dtype {op.dtype}; expected float16, bfloat16 or float32")
-    if len({op.dtype for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
-        raise TypeError(f"q, k and v must share one dtype, got {given}")
-    if len({op.device for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
-        raise ValueError(f"q, k and v must be on one device, got {given}")
+    check_one_dtype_and_device(ops, "q, k and v")
 
     axes = _LAYOUT_AXES[layout]
     (bq, hq, sq, dq), (bk, hk, sk, dk), (bv, hv, sv, dv) = (
@@ -204,6 +199,17 @@ def validate(q, k, v, out, causal, scale, layout, return_lse, window=None, softc
     if out is not None:
         problem = replace(problem, out=out_operand(out, q_op, problem.out_shape))
     return problem
+
+
+def check_one_dtype_and_device(ops, what):
+    """TypeError unless the operands ``ops`` (name -> ``Operand``) share one dtype, ValueError unless they are
+    on one device; ``what`` names them in the message."""
+    if len({op.dtype for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
+        raise TypeError(f"{what} must share one dtype, got {given}")
+    if len({op.device for op in ops.values()}) > 1:
+        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
+        raise ValueError(f"{what} must be on one device, got {given}")
 
 
 def out_operand(out, q_op, shape):

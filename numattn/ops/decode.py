@@ -39,7 +39,7 @@ from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.split_merge import MAX_SPLITS
 from ..tuning.models import split_candidates, split_count
 from ..tuning.store import tuned_config
-from .attention import choice, out_operand, softmax_scale
+from .attention import check_one_dtype_and_device, choice, out_operand, softmax_scale
 from .checks import (
     DeviceIndexCheck,
     check_float_operand,
@@ -136,13 +136,7 @@ def _output_view(shape, layout, squeezed, strides=None):
 
 
 def _common_checks(q_op, q4, k_op, v_op, k4, v4):
-    ops = {"q": q_op, "k": k_op, "v": v_op}
-    if len({op.dtype for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
-        raise TypeError(f"q and the key/value caches must share one dtype, got {given}")
-    if len({op.device for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
-        raise ValueError(f"q and the key/value caches must be on one device, got {given}")
+    check_one_dtype_and_device({"q": q_op, "k": k_op, "v": v_op}, "q and the key/value caches")
     heads_q, head_dim = q4.shape[1], q4.shape[3]
     heads_kv = k4.shape[1]
     if k4.shape[3] != head_dim:

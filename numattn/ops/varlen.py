@@ -14,7 +14,16 @@ from numba import types
 from .._arrays import Array, Operand, cai_stream, contiguous_strides, describe, from_dlpack, is_torch, torch_current
 from .._cuda import SIMULATOR
 from ..kernels.sequences import SequenceLayout
-from .attention import MAX_HEAD_DIM, Problem, _options_key, _records_grad, make_plan, out_operand, softmax_scale
+from .attention import (
+    MAX_HEAD_DIM,
+    Problem,
+    _options_key,
+    _records_grad,
+    check_one_dtype_and_device,
+    make_plan,
+    out_operand,
+    softmax_scale,
+)
 from .checks import (
     DeviceVarlenCheck,
     check_float_operand,
@@ -114,12 +123,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     check_float_operand(ops["q"], "q", (3,), "3-D (total_q, num_heads_q, head_dim)")
     for name in ("k", "v"):
         check_float_operand(ops[name], name, (4,) if paged else (3,), kv_text)
-    if len({op.dtype for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} {op.dtype}" for n, op in ops.items())
-        raise TypeError(f"q, k and v must share one dtype, got {given}")
-    if len({op.device for op in ops.values()}) > 1:
-        given = ", ".join(f"{n} on {op.where}" for n, op in ops.items())
-        raise ValueError(f"q, k and v must be on one device, got {given}")
+    check_one_dtype_and_device(ops, "q, k and v")
     q_op, k_op, v_op = ops.values()
     total_q, heads_q, head_dim = q_op.shape
     *k_rows, heads_kv, head_dim_k = k_op.shape
