@@ -45,7 +45,7 @@ from .ptx import (
     st_shared_b32,
 )
 from .score_mods import NO_MODS, crosses_window, score_gradient, window_queries
-from .sequences import DENSE, key_block_locator
+from .sequences import DENSE, backward_kernel, key_block_locator
 from .tiles import NARROW, PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -142,22 +142,6 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS):
                     cuda.atomic.add(dq, (b, h, row, col + 1), acc[mt, n, 2 * half + 1] * scale)
 
     return copy_rows, to_gradients, store_rows, add_dq
-
-
-def backward_kernel(backward, varlen):
-    """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences)``: with
-    packed sequences it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments."""
-    if varlen:
-        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                   cap_slope, cu_seqlens_q, cu_seqlens_k):
-            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                     cap_slope, (cu_seqlens_q, cu_seqlens_k))
-    else:
-        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                   cap_slope):
-            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                     cap_slope, ())
-    return kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,4 +345,4 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
         store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, _ONE, g, t)
 
-    return cuda.jit(backward_kernel(backward, VARLEN))
+    return cuda.jit(backward_kernel(backward, sequences))

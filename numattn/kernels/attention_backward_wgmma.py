@@ -31,7 +31,7 @@ import numpy as np
 from numba import float32, uint16, uint32
 
 from .._cuda import cuda
-from .attention_backward_mma import backward_kernel, gradient_steps
+from .attention_backward_mma import gradient_steps
 from .constants import LOG2E_F32
 from .online_softmax import p_fragments
 from .ptx import (
@@ -57,7 +57,7 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
-from .sequences import DENSE, key_block_locator
+from .sequences import DENSE, backward_kernel, key_block_locator
 from .tiles import sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -266,4 +266,4 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
         store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, 1.0, g, t)
 
-    return cuda.jit(backward_kernel(backward, VARLEN))
+    return cuda.jit(backward_kernel(backward, sequences))

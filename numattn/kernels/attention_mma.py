@@ -44,7 +44,7 @@ from .ptx import (
     pack_f16x2,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
-from .sequences import DENSE, block_locator, source_row
+from .sequences import DENSE, block_locator, forward_kernel, source_row
 from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
 from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
@@ -286,14 +286,12 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                    cap_slope):
             attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope, ())
-    elif VARLEN:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, page_table):
-            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
     else:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+        @cuda.jit(device=True, forceinline=True)
+        def attend_whole(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs):
             # the split arguments are unused
-            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
+            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs)
+
+        kernel = forward_kernel(attend_whole, sequences)
 
     return cuda.jit(kernel)

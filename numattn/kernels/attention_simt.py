@@ -29,7 +29,7 @@ from numba import float32
 from .._cuda import cuda
 from .constants import LN2_F32, LOG2E_F32
 from .score_mods import NO_MODS, window_span
-from .sequences import DENSE, block_locator, source_row
+from .sequences import DENSE, block_locator, forward_kernel, source_row
 from .tiles import NARROW, WIDEN, row_of_batch, tile_view
 
 _NEG_INF = np.float32(-np.inf)
@@ -207,13 +207,6 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
                 if WRITE_LSE and tn == 0:
                     lse[q_at, h, q_row0 + row] = (m_i[i] + math.log2(l_sum)) * LN2_F32 if l_sum != _ZERO else _NEG_INF
 
-    if VARLEN:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, page_table):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
-    else:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
+    kernel = forward_kernel(attend, sequences)
 
     return cuda.jit(kernel)

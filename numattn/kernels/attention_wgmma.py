@@ -55,7 +55,7 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
-from .sequences import DENSE, block_locator, source_row
+from .sequences import DENSE, block_locator, forward_kernel, source_row
 from .tiles import sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -265,14 +265,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         else:
             store(o, acc, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
 
-    if VARLEN:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
-                   cu_seqlens_k, seqused_k, page_table):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
-    else:
-        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
+    kernel = forward_kernel(attend, sequences)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

@@ -193,3 +193,42 @@ def key_block_locator(layout):
         return b, h_kv, n0, m_first, m_tiles, q.shape[2], k.shape[2], b, 0, 0, 0
 
     return locate
+
+
+def forward_kernel(attend, layout):
+    """The kernel function of a forward's body ``attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right,
+    cap_log2, cap_slope, sequences)``: with a varlen ``layout`` it takes the four arrays of the module docstring
+    after the other arguments."""
+    if layout.varlen:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, page_table):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+    else:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
+    return _named_after(kernel, attend)
+
+
+def backward_kernel(backward, layout):
+    """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences)``: with a varlen
+    ``layout`` it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments."""
+    if layout.varlen:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope, cu_seqlens_q, cu_seqlens_k):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, (cu_seqlens_q, cu_seqlens_k))
+    else:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, ())
+    return _named_after(kernel, backward)
+
+
+def _named_after(kernel, body):
+    """``kernel`` named beside its ``body`` (a device function), in the body's module and factory: the name
+    profilers show and the module that tells a kernel family."""
+    kernel.__module__ = body.py_func.__module__
+    kernel.__qualname__ = body.py_func.__qualname__.rsplit(".", 1)[0] + ".kernel"
+    return kernel
