@@ -358,13 +358,13 @@ def last_block_sum_kernel(values, counters, totals, launch):
 
 @functools.lru_cache(maxsize=None)
 def softmax_update_kernel(headroom):
-    """``kernel(scores, p, m)``: two 16 × 16 key tiles of scores (log2 domain) through the online softmax's
-    ``update`` with this rescale ``headroom``, as one warp's accumulator fragments: ``p[tile]`` each tile's
-    P, ``m[row]`` each row's reference max at the end."""
+    """``kernel(scores, p, m, factor)``: two 16 × 16 key tiles of scores (log2 domain once times ``factor``)
+    through the online softmax's ``update`` with this rescale ``headroom``, as one warp's accumulator
+    fragments: ``p[tile]`` each tile's P, ``m[row]`` each row's reference max at the end."""
     init, _, update, _, _, _ = softmax_steps(1, 2, 2, False, "bfloat16", headroom)
 
     @cuda.jit
-    def kernel(scores, p, m):
+    def kernel(scores, p, m, factor):
         lane = cuda.threadIdx.x
         g, t = lane // 4, lane % 4
         m_i = cuda.local.array(2, float32)
@@ -378,7 +378,7 @@ def softmax_update_kernel(headroom):
             for nt in range(2):
                 for e in range(4):
                     s[0, nt, e] = scores[tile, g + 8 * (e // 2), 8 * nt + 2 * t + e % 2]
-            update(s, m_i, l_i, row_max, alpha)
+            update(s, m_i, l_i, row_max, alpha, factor)
             for nt in range(2):
                 for e in range(4):
                     p[tile, g + 8 * (e // 2), 8 * nt + 2 * t + e % 2] = s[0, nt, e]

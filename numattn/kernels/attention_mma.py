@@ -244,8 +244,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
             if WINDOW:
                 masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
-            scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t, terms)
-            if update(s, m_i, l_i, row_max, alpha):
+            factor = scale_and_mask(s, scale_log2, masked, m0 + warp_row0, n0, seqlen_kv, diagonal, g, t, terms)
+            if update(s, m_i, l_i, row_max, alpha, factor):
                 rescale(acc, alpha)
 
             # O += P V; the accumulator tiles 2kk, 2kk+1 of P are the A fragment of k-step kk

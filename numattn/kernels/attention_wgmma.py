@@ -47,11 +47,12 @@ from .ptx import (
     pack_f16x2,
     st_shared_b32,
     wgmma_commit,
+    wgmma_descriptor,
     wgmma_fence,
-    wgmma_rs_bf16,
-    wgmma_rs_f16,
-    wgmma_ss_bf16,
-    wgmma_ss_f16,
+    wgmma_rs_desc_bf16,
+    wgmma_rs_desc_f16,
+    wgmma_ss_desc_bf16,
+    wgmma_ss_desc_f16,
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
@@ -101,22 +102,21 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     VARLEN = sequences.varlen
     locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
-    wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype,
-                                                                            mods=mods)
+                                                                            mods=mods, fold_scale=True)
     pack_p = p_fragments(PSTEPS, dtype)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
-    load_tile_async = tile_copier(NUM_THREADS, sw128_cell)
-    load_kv_tile_async = tile_copier(NUM_THREADS, sw128_cell, source_row(sequences))
+    load_tile_async = tile_copier(NUM_THREADS, sw128_cell, stepping=True)
+    load_kv_tile_async = tile_copier(NUM_THREADS, sw128_cell, source_row(sequences), stepping=True)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv_async(view, bars, k, v, kv_at, h_kv, j, first, nkeys):
+    def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):
         """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``, found from ``kv_at`` as
-        ``sequences.py`` says; from ``nkeys`` on they read 0) into its stage; the stage's FULL barrier counts
+        ``sequences.py`` says; from ``nkeys`` on they read 0) into ``stage``; the stage's FULL barrier counts
         them in."""
-        stage = j % STAGES
         load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
         load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
@@ -127,26 +127,27 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         while not mbarrier_try_wait(bars, barrier, use % 2):
             pass
 
+    # descriptors move in units of 16 bytes (8 elements): between stages, panels and k-steps
+    K_STAGE_UNITS, V_STAGE_UNITS = 8 * K_ROWS, 8 * V_ROWS
+
     @cuda.jit(device=True, forceinline=True)
-    def issue_scores(s, smem, start, j, group_row0):
-        """Start ``S = Q Kⱼᵀ``: k-step ks reads 16 columns of panel ks // 4 of the Q and K tiles."""
-        k_tile = start + 64 * (K_ROW0 + (j % STAGES) * K_ROWS)
+    def issue_scores(s, q_desc, k_desc):
+        """Start ``S = Q Kᵀ`` for the warpgroup's Q rows (``q_desc``) and a K tile (``k_desc``): k-step ks reads
+        16 columns of panel ks // 4 of both."""
         wgmma_fence()
         for ks in range(KSTEPS):
-            a_offset = start + 64 * ((ks // 4) * BLOCK_M + group_row0) + 16 * (ks % 4)
-            b_offset = k_tile + 64 * (ks // 4) * BLOCK_N + 16 * (ks % 4)
-            wgmma_ss(s, BLOCK_N, smem, a_offset, b_offset, 0, False, ks > 0)
+            wgmma_ss(s, BLOCK_N, q_desc + 8 * BLOCK_M * (ks // 4) + 2 * (ks % 4),
+                     k_desc + 8 * BLOCK_N * (ks // 4) + 2 * (ks % 4), False, ks > 0)
         wgmma_commit()
 
     @cuda.jit(device=True, forceinline=True)
-    def issue_pv(acc, p_frag, smem, start, j):
-        """Start ``O += P Vⱼ``: k-step kk multiplies P's A fragment kk by keys 16kk .. 16kk + 16 of the V tile."""
-        v_tile = start + 64 * (V_ROW0 + (j % STAGES) * V_ROWS)
+    def issue_pv(acc, p_frag, v_desc):
+        """Start ``O += P V`` for a V tile (``v_desc``): k-step kk multiplies P's A fragment kk by keys
+        16kk .. 16kk + 16 of the tile."""
         fence_registers(acc, O_REGS)
         wgmma_fence()
         for kk in range(PSTEPS):
-            wgmma_rs(acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
-                     smem, v_tile + 64 * 16 * kk, V_PANEL, True, True)
+            wgmma_rs(acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3], v_desc + 128 * kk, True, True)
         wgmma_commit()
 
     @cuda.jit(device=True, forceinline=True)
@@ -198,12 +199,15 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                 mbarrier_init(bars, EMPTY + stage, NUM_THREADS)
             mbarrier_init(bars, Q_FULL, NUM_THREADS)
         cuda.syncthreads()
+        q_desc = wgmma_descriptor(smem, start + 64 * group_row0, 0)  # the warpgroup's Q rows
+        k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 0)  # the K tile of stage 0
+        v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
         if n_blocks > 0:
             load_tile_async(view, 0, BLOCK_M, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
             cp_async_mbarrier_arrive(bars, Q_FULL)
             for j in range(STAGES - 1):  # the first tiles
                 if j < n_blocks:
-                    load_kv_async(view, bars, k, v, kv_at, h_kv, j, k_row0 + first, k_row0 + seqlen_kv)
+                    load_kv_async(view, bars, k, v, kv_at, h_kv, j, j, k_row0 + first, k_row0 + seqlen_kv)
             if GROUPS > 1 and group == GROUPS - 1:
                 barrier_arrive(TURN, 256)  # the first warpgroup goes first
 
@@ -220,40 +224,47 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
         if n_blocks > 0:
             wait_phase(bars, Q_FULL, 0)
+        # tile j's stage j % STAGES and the parity of its use (j // STAGES) % 2, and those of tile j - 1,
+        # whose stage tile j + STAGES - 1 takes, counted along rather than divided out
+        stage, parity, last_stage, last_parity = 0, 0, STAGES - 1, 1
         for j in range(n_blocks):
-            wait_phase(bars, FULL + j % STAGES, j // STAGES)
+            wait_phase(bars, FULL + stage, parity)
             fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)  # this warpgroup's turn on the tensor cores
             if j > 0:
-                issue_pv(acc, p_frag, smem, start, j - 1)
-            issue_scores(s, smem, start, j, group_row0)
+                issue_pv(acc, p_frag, v_desc + last_stage * V_STAGE_UNITS)
+            issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
             if GROUPS > 1:
                 barrier_arrive(TURN + (group + 1) % GROUPS, 256)
             wgmma_wait(0)
             fence_registers(s, S_REGS)
             fence_registers(acc, O_REGS)
             if j > 0:
-                mbarrier_arrive(bars, EMPTY + (j - 1) % STAGES)
+                mbarrier_arrive(bars, EMPTY + last_stage)
 
             n0 = first + j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
             if WINDOW:
                 masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
-            scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms)
-            if update(s, m_i, l_i, row_max, alpha):
+            factor = scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms)
+            if update(s, m_i, l_i, row_max, alpha, factor):
                 rescale(acc, alpha)
             pack_p(p_frag, s)
 
             ahead = j + STAGES - 1  # into the stage of tile j - 1, once every warpgroup is done with it
             if ahead < n_blocks:
                 if j > 0:
-                    wait_phase(bars, EMPTY + (j - 1) % STAGES, (j - 1) // STAGES)
-                load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, k_row0 + first, k_row0 + seqlen_kv)
+                    wait_phase(bars, EMPTY + last_stage, last_parity)
+                load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, last_stage, k_row0 + first, k_row0 + seqlen_kv)
+            last_stage, last_parity = stage, parity
+            stage += 1
+            if stage == STAGES:
+                stage, parity = 0, parity ^ 1
         if n_blocks > 0:
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)
-            issue_pv(acc, p_frag, smem, start, n_blocks - 1)
+            issue_pv(acc, p_frag, v_desc + last_stage * V_STAGE_UNITS)
             if GROUPS > 1:
                 barrier_arrive(TURN + (group + 1) % GROUPS, 256)
             wgmma_wait(0)

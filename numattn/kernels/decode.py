@@ -607,7 +607,7 @@ def decode_mma_kernel(dtype, head_dim, head_dim_v, group, seqlen_q, config, *, p
             if WINDOW:  # the tile starts left of the last token's window
                 masked = masked or n0 < seqlen - 1 - left
             scale_and_mask(s, scale_log2, masked, n0, end, seqlen - SQ, row0, g, t, slopes, terms)
-            if update(s, m_i, l_i, row_max, alpha):
+            if update(s, m_i, l_i, row_max, alpha, _ONE):
                 rescale(acc, alpha)
             # O += P V: the two score tiles are the A fragment of one k-step
             p0, p1 = pack(s[0, 0, 0], s[0, 0, 1]), pack(s[0, 0, 2], s[0, 0, 3])

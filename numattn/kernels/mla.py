@@ -49,6 +49,7 @@ from .tiles import NARROW, swizzled_rows, tile_col, tile_row_elems, tile_view
 HEAD_ROWS = 16  # query heads per block: one m16 tile
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
 
 @functools.lru_cache(maxsize=None)
 def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
@@ -195,7 +196,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
             for nt in range(NTILES):
                 for e in range(4):
                     s[0, nt, e] = s[0, nt, e] * scale_log2 if n0 + 8 * nt + 2 * t + e % 2 < end else _NEG_INF
-            if update(s, m_i, l_i, row_max, alpha):
+            if update(s, m_i, l_i, row_max, alpha, _ONE):
                 rescale(acc, alpha)
             # O[:, this warp's columns] += P V: each pair of score tiles is the A fragment of a k-step
             for kp in range(NTILES // 2):
@@ -215,7 +216,7 @@ def mla_decode_kernel(dtype, rank, rope, config, split, write_lse):
             l_sum = quad_sum(l_i[half])
             h = head0 + g + 8 * half
             if h < heads:
-                inv = np.float32(1.0) / l_sum if l_sum != _ZERO else _ZERO
+                inv = _ONE / l_sum if l_sum != _ZERO else _ZERO
                 row_lse = m_i[half] + math.log2(l_sum) if l_sum != _ZERO else _NEG_INF
                 for dt in range(DTILES):
                     for e in range(2):

@@ -463,8 +463,8 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 if not SHARED:
                     mbarrier_arrive(bars, SCORED + STAGES * group + stage)
                 n0 = first + j * BLOCK_N
-                scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t, NO_TERMS)
-                rescaled = update(s, m_i, l_i, row_max, alpha)
+                factor = scale_and_mask(s, scale_log2, n0 + BLOCK_N > end, 0, n0, end, 0, g, t, NO_TERMS)
+                rescaled = update(s, m_i, l_i, row_max, alpha, factor)
                 if rescaled:
                     rescale(acc, alpha)
                 pack_p(p_frag, s)

@@ -46,15 +46,17 @@ def seed_sink(m_i, l_i, sink_log2, t):
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=NO_MODS):
+def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=NO_MODS, fold_scale=False):
     """Device functions ``(init, scale_and_mask, update, rescale, normalize, store)`` for one tile shape.
 
     ``warp_m`` m16 tiles per warp, ``ntiles`` n8 score tiles per key tile,
     ``dtiles`` n8 output tiles, ``dtype`` the output element type; ``headroom`` (log2) how far a
     row's max may exceed the softmax's reference max before the reference moves (0: eager rescaling);
-    ``mods`` the score modifications (``score_mods.py``) that ``scale_and_mask`` applies.
+    ``mods`` the score modifications (``score_mods.py``) that ``scale_and_mask`` applies; ``fold_scale``:
+    a positive scale of a tile that takes nothing else folds into ``update``'s exponent (one multiply
+    less per score, a register more).
     """
-    WARP_M, NTILES, DTILES, CAUSAL = warp_m, ntiles, dtiles, causal
+    WARP_M, NTILES, DTILES, CAUSAL, FOLD_SCALE = warp_m, ntiles, dtiles, causal, fold_scale
     WINDOW, SOFTCAP, ALIBI, ELEMENTWISE = mods.window, mods.softcap, mods.alibi, mods.elementwise
     HEADROOM = np.float32(headroom)
     CHAINS = min(4, ntiles)  # partial maxima and sums per row
@@ -85,7 +87,9 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=
     @cuda.jit(device=True, forceinline=True)
     def scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms):
         """Scores into the log2 domain, modified by ``terms`` (see ``modified``); when ``masked``, keys past
-        the end, the causal diagonal or the window get -inf.
+        the end, the causal diagonal or the window get -inf. Returns the factor that ``update`` must still
+        apply: under ``fold_scale``, ``scale_log2`` where a positive scale is all there is to apply (the
+        scores then keep their values), 1 otherwise.
 
         ``row0`` is the query row of the warp's first row, ``n0`` the key of the tile's first column.
         """
@@ -125,15 +129,19 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=
                     for e in range(4):
                         distance = abs(offset + float32(16 * mt + 8 * (e // 2) - 8 * nt - e % 2))
                         s[mt, nt, e] = modified(s[mt, nt, e], scale_log2, distance, terms)
+        elif FOLD_SCALE and scale_log2 > _ZERO:
+            return scale_log2
         else:
             for mt in range(WARP_M):
                 for nt in range(NTILES):
                     for e in range(4):
                         s[mt, nt, e] *= scale_log2
+        return _ONE
 
     @cuda.jit(device=True, forceinline=True)
-    def update(s, m_i, l_i, row_max, alpha):
-        """Fold a key tile's scores into the running softmax; ``s`` becomes P (unnormalised).
+    def update(s, m_i, l_i, row_max, alpha, factor):
+        """Fold a key tile's scores, times ``factor`` (positive), into the running softmax; ``s`` becomes P
+        (unnormalised).
 
         Returns whether the output accumulator must be rescaled by ``alpha``
         (one factor per lane row) before this tile's ``P V`` is added.
@@ -158,7 +166,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=
                     m_tile = max(m_tile, partial[c])
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
-                row_max[r] = m_tile
+                row_max[r] = m_tile * factor
                 grow = grow or m_tile > m_i[r] + HEADROOM
         rescale = ballot(grow) != 0
         if rescale:
@@ -175,8 +183,8 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=
                 for c in range(CHAINS):
                     partial[c] = _ZERO
                 for nt in range(NTILES):
-                    p0 = ex2_approx(s[mt, nt, 2 * half] - m_ref)
-                    p1 = ex2_approx(s[mt, nt, 2 * half + 1] - m_ref)
+                    p0 = ex2_approx(s[mt, nt, 2 * half] * factor - m_ref)
+                    p1 = ex2_approx(s[mt, nt, 2 * half + 1] * factor - m_ref)
                     partial[nt % CHAINS] += p0 + p1
                     s[mt, nt, 2 * half] = p0
                     s[mt, nt, 2 * half + 1] = p1

@@ -25,7 +25,7 @@ from numba.cuda.extending import intrinsic, overload
 from numba.cuda.np.arrayobj import make_array, populate_array
 
 from .._cuda import cuda
-from .ptx import cp_async_16, cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
+from .ptx import cp_async_16, cp_async_16_at, cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32, global_address
 
 # Conversions by element type; 16-bit floats travel through kernels as uint16 bit patterns.
 WIDEN = {"float16": cvt_f32_f16, "bfloat16": cvt_f32_bf16, "float32": np.float32}
@@ -93,7 +93,7 @@ def row_of_batch(at, row):
 
 
 @functools.cache
-def tile_copier(num_threads, place, source=row_of_batch):
+def tile_copier(num_threads, place, source=row_of_batch, stepping=False):
     """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
 
     The block's threads issue 16-byte ``cp.async`` copies of row ``row0 + r``
@@ -103,8 +103,12 @@ def tile_copier(num_threads, place, source=row_of_batch):
     Thread ``i`` copies chunk ``i % chunks`` of rows ``i // chunks + n · step``
     when ``chunks`` divides the thread count (the trip count and the per-copy
     arithmetic are then compile-time constants), chunk by chunk otherwise.
+    ``stepping``: a tile of whole passes that lies within ``nrows`` rows of a batch (``source`` the default)
+    takes one address computation and steps by the row stride from copy to copy (fewer instructions per
+    copy, a few more registers).
     """
     NUM_THREADS = num_threads
+    AFFINE = stepping and source is row_of_batch  # row r of the tile sits r row strides after row 0
 
     @cuda.jit(device=True, forceinline=True)
     def copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols):
@@ -112,6 +116,13 @@ def tile_copier(num_threads, place, source=row_of_batch):
         if NUM_THREADS % chunks == 0:
             step = NUM_THREADS // chunks
             first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
+            if AFFINE and rows % step == 0 and row0 + rows <= nrows:
+                address = global_address(src, (at, h, row0 + first, c))
+                pass_bytes = src.strides[2] * step
+                for n in range(rows // step):
+                    view_row, view_col = place(tile_row0, rows, first + n * step, c)
+                    cp_async_16_at(view, view_row, view_col, address + n * pass_bytes, 16)
+                return
             for n in range((rows + step - 1) // step):
                 r = first + n * step
                 if rows % step == 0 or r < rows:  # first < step: r < rows unless the last pass is partial

@@ -89,6 +89,8 @@ from .wgmma import (  # noqa: F401
     wgmma_descriptor,
     wgmma_fence,
     wgmma_rs_bf16,
+    wgmma_rs_desc_bf16,
+    wgmma_rs_desc_f16,
     wgmma_rs_f16,
     wgmma_ss_bf16,
     wgmma_ss_desc_bf16,

@@ -94,16 +94,22 @@ _bind(cp_async_4, _cp_async_4)
 
 
 class _Address:
-    """Twin of a global address: element ``index`` of ``array``; adding ``n`` moves it ``n`` bytes
-    along the (contiguous) last axis, as adding to the real address does."""
+    """Twin of a global address: element ``index`` of ``array``; adding ``n`` moves it ``n`` bytes on in
+    memory, as adding to the real address does (along any axis: the element found there is ``index``)."""
 
     def __init__(self, array, index):
         self.array, self.index = array, tuple(int(i) for i in index)
 
     def __add__(self, nbytes):
-        step, rest = divmod(int(nbytes), self.array.itemsize)
+        # the byte offset from element 0, unravelled by the strides from the largest (arrays that do not
+        # overlap themselves, with positive strides; axes of one element take no part)
+        strides, shape = self.array.strides, self.array.shape
+        rest = sum(i * stride for i, stride in zip(self.index, strides, strict=True)) + int(nbytes)
+        index = [0] * self.array.ndim
+        for axis in sorted((axis for axis in range(self.array.ndim) if shape[axis] > 1), key=lambda a: -strides[a]):
+            index[axis], rest = divmod(rest, strides[axis])
         assert rest == 0, "an address moves by whole elements"
-        return _Address(self.array, (*self.index[:-1], self.index[-1] + step))
+        return _Address(self.array, index)
 
     __radd__ = __add__
 

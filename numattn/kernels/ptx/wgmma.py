@@ -201,7 +201,8 @@ _bind(wgmma_descriptor, _wgmma_descriptor)
 
 
 def _make_wgmma(ptx_type, widen_bits):
-    """``wgmma_ss_*``, ``wgmma_rs_*`` and ``wgmma_ss_desc_*`` (operands named by descriptors) for one input type."""
+    """``wgmma_ss_*``, ``wgmma_rs_*``, ``wgmma_ss_desc_*`` and ``wgmma_rs_desc_*`` (operands named by descriptors)
+    for one input type."""
 
     def wgmma_ss_desc(acc, n, a_desc, b_desc, b_mn_major, accumulate):
         row, tig = _warpgroup_position()
@@ -216,13 +217,16 @@ def _make_wgmma(ptx_type, widen_bits):
         wgmma_ss_desc(acc, n, wgmma_descriptor(buf, a_offset, 0), wgmma_descriptor(buf, b_offset, b_panel), b_mn_major,
                       accumulate)
 
-    def wgmma_rs(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+    def wgmma_rs_desc(acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate):
         A = _warp_gather((a0, a1, a2, a3), lambda lanes: _a_matrix(np.array(lanes, dtype=np.uint32), widen_bits))
         row, tig = _warpgroup_position()
         group = row % 16
+        b = _operand_b(b_desc.buf, widen_bits, b_desc.offset, n, b_desc.panel, b_mn_major)
         with np.errstate(invalid="ignore", over="ignore"):
-            rows = A[[group, group + 8]] @ _operand_b(buf, widen_bits, b_offset, n, b_panel, b_mn_major)
-            _store_d(acc, rows, tig, accumulate)
+            _store_d(acc, A[[group, group + 8]] @ b, tig, accumulate)
+
+    def wgmma_rs(acc, n, a0, a1, a2, a3, buf, b_offset, b_panel, b_mn_major, accumulate):
+        wgmma_rs_desc(acc, n, a0, a1, a2, a3, wgmma_descriptor(buf, b_offset, b_panel), b_mn_major, accumulate)
 
     wgmma_ss.__doc__ = f"""``wgmma_ss_{ptx_type}(acc, N, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate)``.
 
@@ -238,6 +242,8 @@ def _make_wgmma(ptx_type, widen_bits):
     """
     wgmma_ss_desc.__doc__ = f"""``wgmma_ss_desc_{ptx_type}(acc, N, a_desc, b_desc, b_mn_major, accumulate)``: ``wgmma_ss_{ptx_type}``
     with the operands named by descriptors (``wgmma_descriptor``)."""
+    wgmma_rs_desc.__doc__ = f"""``wgmma_rs_desc_{ptx_type}(acc, N, a0, a1, a2, a3, b_desc, b_mn_major, accumulate)``:
+    ``wgmma_rs_{ptx_type}`` with B named by a descriptor (``wgmma_descriptor``)."""
 
     @intrinsic
     def ss_ir(typingctx, acc, n, a_desc, b_desc, b_mn_major, accumulate):
@@ -289,6 +295,17 @@ def _make_wgmma(ptx_type, widen_bits):
 
         return impl
 
+    @overload(wgmma_rs_desc, target="cuda", prefer_literal=True, inline="always")
+    def _rs_desc_gpu(acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate):
+        N, MN = constants(n, b_mn_major)
+        if N is None or MN is None:
+            return None
+
+        def impl(acc, n, a0, a1, a2, a3, b_desc, b_mn_major, accumulate):
+            return rs_ir(acc, N, a0, a1, a2, a3, b_desc, MN, accumulate)
+
+        return impl
+
     @overload(wgmma_ss, target="cuda", prefer_literal=True, inline="always")
     def _ss_gpu(acc, n, buf, a_offset, b_offset, b_panel, b_mn_major, accumulate):
         N, MN = constants(n, b_mn_major)
@@ -312,13 +329,14 @@ def _make_wgmma(ptx_type, widen_bits):
 
         return impl
 
-    for f, name in ((wgmma_ss, "wgmma_ss"), (wgmma_rs, "wgmma_rs"), (wgmma_ss_desc, "wgmma_ss_desc")):
+    for f, name in ((wgmma_ss, "wgmma_ss"), (wgmma_rs, "wgmma_rs"), (wgmma_ss_desc, "wgmma_ss_desc"),
+                    (wgmma_rs_desc, "wgmma_rs_desc")):
         f.__name__ = f"{name}_{ptx_type}"
-    return wgmma_ss, wgmma_rs, wgmma_ss_desc
+    return wgmma_ss, wgmma_rs, wgmma_ss_desc, wgmma_rs_desc
 
 
-wgmma_ss_f16, wgmma_rs_f16, wgmma_ss_desc_f16 = _make_wgmma("f16", _widen_f16_bits)
-wgmma_ss_bf16, wgmma_rs_bf16, wgmma_ss_desc_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
+wgmma_ss_f16, wgmma_rs_f16, wgmma_ss_desc_f16, wgmma_rs_desc_f16 = _make_wgmma("f16", _widen_f16_bits)
+wgmma_ss_bf16, wgmma_rs_bf16, wgmma_ss_desc_bf16, wgmma_rs_desc_bf16 = _make_wgmma("bf16", _widen_bf16_bits)
 
 
 def wgmma_fence():
