@@ -49,11 +49,12 @@ from .ptx import (
     st_shared_v2_f32,
     stmatrix_x4_trans,
     wgmma_commit,
+    wgmma_descriptor,
     wgmma_fence,
-    wgmma_rs_bf16,
-    wgmma_rs_f16,
-    wgmma_ss_bf16,
-    wgmma_ss_f16,
+    wgmma_rs_desc_bf16,
+    wgmma_rs_desc_f16,
+    wgmma_ss_desc_bf16,
+    wgmma_ss_desc_f16,
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
@@ -99,7 +100,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tiles
     DQ_ROW = D + DQ_PAD
     bf16 = dtype == "bfloat16"
-    wgmma_ss, wgmma_rs = (wgmma_ss_bf16, wgmma_rs_bf16) if bf16 else (wgmma_ss_f16, wgmma_rs_f16)
+    wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
     copy_tile = tile_copier(NUM_THREADS, sw128_cell)
     copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
     WINDOW, ALIBI = mods.window, mods.alibi
@@ -166,9 +167,12 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         # matrix descriptors of every k-step would stay live in registers
         tile_offsets = cuda.local.array(1, uint32)
 
+        # iteration it's query head within the group and query tile (it // m_tiles, it % m_tiles), its stage
+        # and dQ buffer, counted along rather than divided out
+        head, m_tile, stage, dq_buffer = 0, 0, 0, 0
         for it in range(n_iters):
-            stage = it % STAGES
-            dq_off = DQ_OFF + (it % DQ_STAGES) * BLOCK_M * DQ_ROW  # this tile's dQ buffer
+            next_head, next_tile = (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
+            dq_off = DQ_OFF + dq_buffer * BLOCK_M * DQ_ROW  # this tile's dQ buffer
             if reducer:
                 bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
             cp_async_wait_group(0)  # tile it has landed
@@ -176,20 +180,24 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
             ahead = it + 1
             if ahead < n_iters:  # into the stage of tile it - 1
-                load_query_tile(view, rows_f, ahead % STAGES, q, do, lse2, delta, at,
-                                h_kv * group_size + ahead // m_tiles, m_first + (ahead % m_tiles) * BLOCK_M, q_row0,
-                                seqlen_q, rows0)
+                load_query_tile(view, rows_f, 1 - stage, q, do, lse2, delta, at, h_kv * group_size + next_head,
+                                m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0)
             cp_async_commit()
             tile_offsets[0] = start
             fence_registers(tile_offsets, 1)
-            k_tile = tile_offsets[0] + 64 * K_ROW0
-            v_tile = tile_offsets[0] + 64 * V_ROW0
-            ds_tile = tile_offsets[0] + 64 * DS_ROW0
-            h = h_kv * group_size + it // m_tiles
-            m0 = m_first + (it % m_tiles) * BLOCK_M
+            # matrix descriptors (units of 16 bytes: 8 elements) of the tiles, each k-step one constant on
+            k_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * K_ROW0, 0)
+            v_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * V_ROW0, 0)
+            ds_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * DS_ROW0, 0)
+            k_mn_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * K_ROW0 + (dq_col0 // 64) * 64 * BLOCK_N,
+                                         64 * BLOCK_N)  # K as dQ's MN-major B operand
+            h = h_kv * group_size + head
+            m0 = m_first + m_tile * BLOCK_M
             terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
-            q_tile = tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS)
-            do_tile = tile_offsets[0] + 64 * (DO_ROW0 + stage * DO_ROWS)
+            q_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS), 0)
+            do_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * (DO_ROW0 + stage * DO_ROWS), 0)
+            q_mn_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS), 64 * BLOCK_M)
+            do_mn_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * (DO_ROW0 + stage * DO_ROWS), 64 * BLOCK_M)
             rows = tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M)
 
             # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warpgroup's 64 keys: k-step ks reads 16 columns of panel ks // 4
@@ -197,11 +205,11 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             forget_registers(dp, S_REGS)
             wgmma_fence()
             for ks in range(KSTEPS):
-                wgmma_ss(s, BLOCK_M, smem, k_tile + 64 * ((ks // 4) * BLOCK_N + 64 * wg) + 16 * (ks % 4),
-                         q_tile + 64 * (ks // 4) * BLOCK_M + 16 * (ks % 4), 0, False, ks > 0)
+                wgmma_ss(s, BLOCK_M, k_desc + 8 * ((ks // 4) * BLOCK_N + 64 * wg) + 2 * (ks % 4),
+                         q_desc + 8 * (ks // 4) * BLOCK_M + 2 * (ks % 4), False, ks > 0)
             for ks in range(VSTEPS):
-                wgmma_ss(dp, BLOCK_M, smem, v_tile + 64 * ((ks // 4) * BLOCK_N + 64 * wg) + 16 * (ks % 4),
-                         do_tile + 64 * (ks // 4) * BLOCK_M + 16 * (ks % 4), 0, False, ks > 0)
+                wgmma_ss(dp, BLOCK_M, v_desc + 8 * ((ks // 4) * BLOCK_N + 64 * wg) + 2 * (ks % 4),
+                         do_desc + 8 * (ks // 4) * BLOCK_M + 2 * (ks % 4), False, ks > 0)
             wgmma_commit()
             wgmma_wait(0)
             fence_registers(s, S_REGS)
@@ -219,11 +227,11 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             fence_registers(dk_acc, DK_REGS)
             wgmma_fence()
             for kk in range(MSTEPS):
-                wgmma_rs(dv_acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3],
-                         smem, do_tile + 64 * 16 * kk, 64 * BLOCK_M, True, True)
+                wgmma_rs(dv_acc, DV, p_frag[kk, 0], p_frag[kk, 1], p_frag[kk, 2], p_frag[kk, 3], do_mn_desc + 128 * kk,
+                         True, True)
             for kk in range(MSTEPS):
-                wgmma_rs(dk_acc, D, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3],
-                         smem, q_tile + 64 * 16 * kk, 64 * BLOCK_M, True, True)
+                wgmma_rs(dk_acc, D, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3], q_mn_desc + 128 * kk,
+                         True, True)
             wgmma_commit()
 
             # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
@@ -239,8 +247,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             forget_registers(dq_acc, DQ_REGS)
             wgmma_fence()
             for kk in range(NSTEPS):
-                wgmma_ss(dq_acc, DQ_N, smem, ds_tile + 64 * ((kk // 4) * BLOCK_M) + 16 * (kk % 4),
-                         k_tile + (dq_col0 // 64) * 64 * BLOCK_N + 64 * 16 * kk, 64 * BLOCK_N, True, kk > 0)
+                wgmma_ss(dq_acc, DQ_N, ds_desc + 8 * (kk // 4) * BLOCK_M + 2 * (kk % 4), k_mn_desc + 128 * kk, True, kk > 0)
             wgmma_commit()
             wgmma_wait(0)  # dV, dK and dQ: the A fragments' registers are free again
             fence_registers(dv_acc, DV_REGS)
@@ -260,6 +267,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                     bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW,
                                         4 * D)
                 bulk_commit()
+            head, m_tile, stage = next_head, next_tile, 1 - stage
+            dq_buffer = 0 if dq_buffer + 1 == DQ_STAGES else dq_buffer + 1
 
         if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
