@@ -158,13 +158,13 @@ def main(argv=None):
                "flex_ms": times.get(f"flex {case}"), "sdpa_causal_ms": sdpa[best], "sdpa_backend": best}
         row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
         rows.append(row)
-        flex = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
-        print(f"{case:22} numattn {row['numattn_ms']:.3f} ms   {flex}", flush=True)
+        versus = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
+        print(f"{case:22} numattn {row['numattn_ms']:.3f} ms   {versus}", flush=True)
     if args.training:
         for row in training_rows(torch, q, k, v, slopes, cases, flex):
             rows.append(row)
-            flex_ms = f"flex {row['flex_ms']:.3f} ms" if row["flex_ms"] else "flex -"
-            print(f"{row['case']:60} numattn {row['numattn_ms']:.3f} ms   {flex_ms}", flush=True)
+            versus = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
+            print(f"{row['case']:60} numattn {row['numattn_ms']:.3f} ms   {versus}", flush=True)
     if args.json:
         facts = dict(run_facts(torch), command=" ".join(["python", "benchmarks/variants.py", *sys.argv[1:]]))
         Path(args.json).write_text(json.dumps({"run": facts, "rows": rows}, indent=1) + "\n")
