@@ -24,6 +24,7 @@ numba.cuda.dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compu
 from numba import cuda, types  # noqa: E402
 
 from numattn.configs.attention import (
+    SEQUENCES_REGISTERS,  # noqa: E402
     SimtConfig,  # noqa: E402
     choose_mma_config,  # noqa: E402
     choose_wgmma_config,  # noqa: E402
@@ -73,7 +74,7 @@ def report(ptx):
         "atomics": sorted(set(re.findall(r"\batom\.[\w.]+", ptx))),
         "f64_ops": len(re.findall(r"\.f64\b", ptx)),
         "mnemonics": sorted(
-            set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence|barrier\.cluster|mapa|ld\.shared::cluster)\.[\w.:]+)", ptx, re.M))
+            set(re.findall(r"(?:^|[{;])\s*((?:cvt|ex2|lg2|mma|ldmatrix|cp\.async|wgmma|mbarrier|fence|barrier\.cluster|mapa|ld\.shared::cluster|setmaxnreg)\.[\w.:]+)", ptx, re.M))
         ),
     }
 
@@ -96,8 +97,8 @@ def variants():
             yield f"wgmma-{dtype}-causal1-d{head_dim}", kernel, SIGNATURE[types.uint16]
     # every score modification at once: sliding window, softcap, ALiBi, sinks
     for head_dim in (64, 128):
-        mma_config, wgmma_config = (choose(head_dim, head_dim, 227 * 1024) for choose in (choose_mma_config,
-                                                                                         choose_wgmma_config))
+        mma_config = choose_mma_config(head_dim, head_dim, 227 * 1024)
+        wgmma_config = choose_wgmma_config(head_dim, head_dim, 227 * 1024, mods=EVERY_MOD)
         kernel = mma_attention_kernel(mma_config, "bfloat16", head_dim, head_dim, True, True, mods=EVERY_MOD)
         yield f"mma-bfloat16-causal1-d{head_dim}-mods", kernel, SIGNATURE[types.uint16]
         kernel = wgmma_attention_kernel(wgmma_config, "bfloat16", head_dim, head_dim, True, True, True, mods=EVERY_MOD)
@@ -106,7 +107,7 @@ def variants():
     yield "simt-float32-causal1-d64-mods", kernel, SIGNATURE[types.float32]
     # packed variable-length sequences (with per-sequence key counts), keys and values in pages
     packed, paged = SequenceLayout(varlen=True, seqused=True), SequenceLayout(varlen=True, page_size=16, seqused=True)
-    config = choose_wgmma_config(128, 128, 227 * 1024)
+    config = choose_wgmma_config(128, 128, 227 * 1024, SEQUENCES_REGISTERS)
     kernel = wgmma_attention_kernel(config, "bfloat16", 128, 128, True, True, True, sequences=packed)
     yield "wgmma-bfloat16-causal1-d128-varlen", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
     kernel = wgmma_attention_kernel(config, "bfloat16", 128, 128, True, True, True, sequences=paged)

@@ -171,13 +171,14 @@ def test_tensor_core_configurations(rng, monkeypatch, fresh_plans, config):
 
 @pytest.mark.parametrize(
     "config",
-    [dict(block_n=16, warpgroups=1, stages=2), dict(block_n=32, warpgroups=2, stages=3)],
-    ids=["1group-2stages", "2groups-3stages"],
+    [dict(block_n=16, warpgroups=1, stages=2), dict(block_n=32, warpgroups=2, stages=3),
+     dict(block_n=16, warpgroups=2, stages=2, producer=True)],
+    ids=["1group-2stages", "2groups-3stages", "2groups-producer"],
 )
 def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     """The warpgroup (wgmma) kernel, which sm_90 GPUs run by default, in the simulator: GQA, causal,
-    lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups);
-    the output staged through shared memory into a fresh array (16-byte stores) or into a misaligned
+    lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups, tiles copied
+    by every thread or by a producer warpgroup); the output staged through shared memory into a fresh array (16-byte stores) or into a misaligned
     view (element stores), or, when head_dim_v > head_dim, stored from registers."""
     import torch
 

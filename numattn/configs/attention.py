@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from .._cuda import SIMULATOR
 from ..kernels.launch import device_limits
 from ..kernels.ptx import SW128_ALIGN
+from ..kernels.score_mods import NO_MODS
 from ..kernels.split_merge import CLUSTER_SPLITS, KEY_SPLITS
 from ..kernels.tiles import PAD
 
@@ -175,12 +176,15 @@ class WgmmaConfig:
     """Tile configuration of the wgmma kernel.
 
     ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
-    keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers.
+    keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers. ``producer``: one more
+    warpgroup copies the tiles, with ``PRODUCER_REGISTERS`` registers per thread, and the others take the
+    rest of the register file (``consumer_registers``).
     """
 
     block_n: int = 128
     warpgroups: int = 2
     stages: int = 3
+    producer: bool = False
 
     def __post_init__(self):
         if self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3 or not 2 <= self.stages <= 4:
@@ -192,7 +196,17 @@ class WgmmaConfig:
 
     @property
     def num_threads(self):
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
+
+    @property
+    def producer_registers(self):
+        """Registers per thread of the copying warpgroup."""
+        return PRODUCER_REGISTERS
+
+    @property
+    def consumer_registers(self):
+        """Registers per thread of a computing warpgroup beside a producer: the register file's rest."""
+        return min(256, (65536 - 128 * PRODUCER_REGISTERS) // (128 * self.warpgroups) // 8 * 8)
 
     @property
     def max_registers(self):
@@ -208,8 +222,9 @@ class WgmmaConfig:
 
     @property
     def register_pressure_limit(self):
-        """The ``register_pressure`` above which configurations spilled at ``max_registers``."""
-        return self.max_registers + REGISTER_SLACK
+        """The ``register_pressure`` above which configurations spilled at ``max_registers`` (at
+        ``consumer_registers`` beside a producer)."""
+        return (self.consumer_registers if self.producer else self.max_registers) + REGISTER_SLACK
 
     def shared_bytes(self, head_dim, head_dim_v):
         """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
@@ -221,6 +236,7 @@ class WgmmaConfig:
 # (168 registers) pressures up to 178 compiled without spilling and 195 and more spilled 52 bytes or
 # more; with two (255), 254 without spilling and 281 spilled 184 bytes.
 REGISTER_SLACK = 12
+PRODUCER_REGISTERS = 56  # per thread of a wgmma kernel's copying warpgroup
 # Registers a kernel of packed or paged sequences (``kernels/sequences.py``) asks for beyond the estimate:
 # ptxas counts rose by 10 to 17 over the dense kernel's (head dims 64, 128, 256, the candidates below,
 # unconstrained), and at head dim 256 the fit runs about 10 low; with this many, no candidate chosen spilled.
@@ -239,10 +255,12 @@ def wgmma_supported(dtype, head_dim, head_dim_v, cc):
 # Per widest head dim, candidates in order of preference; the first that fits
 # the device's shared memory and the registers is used. Measured on an H100 (docs/benchmarks.md); at head
 # dim 128 two warpgroups of 128-key tiles took 0.84-0.97 of the time of three of 64-key tiles on an H100
-# and 0.80-0.95 on an H200 (bf16, six shapes, 2026-11-27), at head dim 64 1.13-1.15 (docs/notes).
+# and 0.80-0.95 on an H200 (bf16, six shapes, 2026-11-27), at head dim 64 1.13-1.15 (docs/notes); with a
+# producer warpgroup 0.86-0.95 of the time of the same tiles without (H200, B4 H16 L8192 bf16: causal,
+# not causal, window 1024, ALiBi; docs/notes/wgmma-instruction-count-2026-11-27.md).
 _WGMMA_CANDIDATES = {
     64: (WgmmaConfig(96, 3, 4), WgmmaConfig(64, 3, 3)),
-    128: (WgmmaConfig(128, 2, 3), WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
+    128: (WgmmaConfig(128, 2, 3, producer=True), WgmmaConfig(128, 2, 3), WgmmaConfig(64, 3, 4), WgmmaConfig(64, 3, 3)),
     192: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
     256: (WgmmaConfig(48, 2, 3), WgmmaConfig(32, 2, 3)),
 }
@@ -253,13 +271,22 @@ def wgmma_configs(head_dim, head_dim_v):
     return _WGMMA_CANDIDATES[max(head_dim, head_dim_v)]
 
 
-def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes, extra_registers=0):
+def producer_fits(mods):
+    """Whether a kernel with the score modifications ``mods`` fits the registers its computing warpgroups have
+    beside a producer: the plain kernel and one of window, ALiBi or sinks compiled without spilling there
+    (bf16, head dim 128, LTO, 2026-11-27); a softcap, or a window with ALiBi, spilled."""
+    return not mods.softcap and not (mods.window and mods.alibi)
+
+
+def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes, extra_registers=0, mods=NO_MODS):
     """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
-    and the registers (``extra_registers`` beyond the estimate: a kernel of packed or paged sequences)."""
+    and the registers (``extra_registers`` beyond the estimate: a kernel of packed or paged sequences; the
+    score modifications ``mods``)."""
     candidates = wgmma_configs(head_dim, head_dim_v)
     for config in candidates:
         pressure = config.register_pressure(head_dim, head_dim_v) + extra_registers
-        if config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes and pressure <= config.register_pressure_limit:
+        if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes and pressure <= config.register_pressure_limit
+                and (producer_fits(mods) or not config.producer)):
             return config
     return candidates[-1]
 
@@ -288,7 +315,7 @@ def default_config(p, limits):
     kinds = fitting_kernels(p, limits)
     if kinds[0] is WgmmaConfig and not SIMULATOR:
         extra = SEQUENCES_REGISTERS if p.sequences is not None else 0
-        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"], extra)
+        return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"], extra, p.options.mods)
     if MmaConfig in kinds:
         config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)
         if problem_shared_bytes(p, config) <= limits["max_shared"]:

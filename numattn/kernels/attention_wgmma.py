@@ -3,21 +3,24 @@
 A block of ``warpgroups`` warpgroups owns ``64 · warpgroups`` query rows of one
 (batch, query head); each warpgroup 64 of them, each warp 16. K/V tiles of
 ``BLOCK_N`` keys stream through a ring of ``stages`` shared-memory buffers in
-the 128-byte swizzled layout that wgmma reads directly (``ptx/wgmma.py``); every
-thread copies its share of a tile with ``cp.async``, and shared-memory
-barriers (mbarriers) track when a buffer is full (all copies landed) and
-empty (every warpgroup is done with it), so no block-wide barrier ties the
-warpgroups together inside the loop.
+the 128-byte swizzled layout that wgmma reads directly (``ptx/wgmma.py``), copied
+with ``cp.async`` by every thread, or with a ``producer`` by one more warpgroup
+that gives most of its registers to the computing ones (``setmaxnreg``);
+shared-memory barriers (mbarriers) track when a buffer is full (all copies
+landed) and empty (every computing warpgroup is done with it), so no block-wide
+barrier ties the warpgroups together inside the loop.
 
 Per key tile j a warpgroup issues ``O += P(j-1) V(j-1)`` (P from registers: an
 accumulator pair is an A fragment; V an MN-major operand) and ``S = Q Kⱼᵀ``
 (both operands in shared memory, one m64nBLOCK_Nk16 instruction per 16 columns
-of the head dim), waits for both, frees buffer j - 1, runs the online softmax
-of the mma.sync kernel on S (``online_softmax.py``, one m16 tile per warp:
-wgmma's accumulator layout is mma.sync's, per warp), and starts copying tile
-j + stages - 1. The warpgroups take turns on the tensor cores (a ring of named
-barriers orders their issues), so that one's softmax overlaps the others'
-products, FlashAttention-3's ping-pong schedule.
+of the head dim), waits for S (with a producer; for both products without),
+runs the online softmax of the mma.sync kernel on S (``online_softmax.py``, one
+m16 tile per warp: wgmma's accumulator layout is mma.sync's, per warp) while
+``P(j-1) V(j-1)`` may still run, waits for it, frees buffer j - 1 and, without a
+producer, starts copying tile j + stages - 1. The warpgroups take turns on the
+tensor cores (a ring of named barriers orders their issues), so that one's
+softmax overlaps the others' products: FlashAttention-3's ping-pong schedule,
+and with a producer its overlap within a warpgroup too.
 
 Head dims must be multiples of 64 (whole swizzle panels), inputs 16-bit with
 contiguous, 16-byte aligned rows.
@@ -37,14 +40,18 @@ from .ptx import (
     barrier_arrive,
     barrier_sync,
     copy_16_to_global,
+    cp_async_commit,
     cp_async_mbarrier_arrive,
+    cp_async_wait_group,
     fence_proxy_async,
     fence_registers,
+    grow_registers,
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_try_wait,
     pack_bf16x2,
     pack_f16x2,
+    shrink_registers,
     st_shared_b32,
     wgmma_commit,
     wgmma_descriptor,
@@ -78,6 +85,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     """
     BLOCK_M, BLOCK_N, STAGES = config.block_m, config.block_n, config.stages
     GROUPS, NUM_THREADS = config.warpgroups, config.num_threads
+    # with a producer, warpgroup GROUPS copies every tile and the others compute; without, every thread does both
+    PRODUCER = config.producer
+    CONSUMERS = 128 * GROUPS
+    COPIERS, FIRST_COPIER = (128, CONSUMERS) if PRODUCER else (NUM_THREADS, 0)
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
+    # with a producer, a warpgroup's softmax of tile j also overlaps its own P Vⱼ₋₁ (measured faster there only)
+    OVERLAP = PRODUCER
+    S_PENDING = 1 if OVERLAP else 0  # product groups that may be in flight once S is complete
     D, DV = head_dim, head_dim_v
     KSTEPS, PSTEPS = D // 16, BLOCK_N // 16  # k-steps of S = Q Kᵀ and of O += P V
     NTILES, DTILES = BLOCK_N // 8, DV // 8  # n8 accumulator tiles of S and of O
@@ -89,7 +104,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     V_ROWS = BLOCK_N * DV // 64
     VIEW_ROWS = V_ROW0 + STAGES * V_ROWS
     V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a V tile
-    # mbarriers: FULL + s (stage s loaded), EMPTY + s (stage s read by every thread), Q_FULL
+    # mbarriers: FULL + s (stage s loaded), EMPTY + s (stage s read by every computing thread), Q_FULL
     FULL, EMPTY, Q_FULL = 0, STAGES, 2 * STAGES
     BARRIERS = 2 * STAGES + 1
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
@@ -109,8 +124,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     pack_p = p_fragments(PSTEPS, dtype)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
-    load_tile_async = tile_copier(NUM_THREADS, sw128_cell, stepping=True)
-    load_kv_tile_async = tile_copier(NUM_THREADS, sw128_cell, source_row(sequences), stepping=True)
+    load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
+    load_kv_tile_async = tile_copier(COPIERS, sw128_cell, source_row(sequences), stepping=True,
+                                     first_thread=FIRST_COPIER)
 
     @cuda.jit(device=True, forceinline=True)
     def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):
@@ -126,6 +142,31 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
         while not mbarrier_try_wait(bars, barrier, use % 2):
             pass
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce(view, bars, q, k, v, q_at, h, q_start, q_end, kv_at, h_kv, first, nkeys, n_blocks):
+        """The producer warpgroup's work: the Q tile, then every K/V tile into its stage once the computing
+        warpgroups are done with the stage's previous tile."""
+        load_tile_async(view, 0, BLOCK_M, q, q_at, h, q_start, q_end, D)
+        cp_async_mbarrier_arrive(bars, Q_FULL)
+        stage, parity = 0, 0  # tile j's stage and the parity of its use, as the computing loop counts them
+        for j in range(n_blocks):
+            if j >= STAGES:
+                wait_phase(bars, EMPTY + stage, parity ^ 1)  # the stage's previous use is done
+            load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys)
+            stage += 1
+            if stage == STAGES:
+                stage, parity = 0, parity ^ 1
+        cp_async_commit()
+        cp_async_wait_group(0)  # the copies land before their threads leave
+
+    @cuda.jit(device=True, forceinline=True)
+    def release_stage(bars, acc, j, last_stage):
+        """After the wait for ``P Vⱼ₋₁``: the accumulator's registers hold its result, and (from tile 1 on) this
+        thread is done with tile j - 1's stage."""
+        fence_registers(acc, O_REGS)
+        if j > 0:
+            mbarrier_arrive(bars, EMPTY + last_stage)
 
     # descriptors move in units of 16 bytes (8 elements): between stages, panels and k-steps
     K_STAGE_UNITS, V_STAGE_UNITS = 8 * K_ROWS, 8 * V_ROWS
@@ -195,19 +236,28 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
         if cuda.threadIdx.x == 0:
             for stage in range(STAGES):
-                mbarrier_init(bars, FULL + stage, NUM_THREADS)
-                mbarrier_init(bars, EMPTY + stage, NUM_THREADS)
-            mbarrier_init(bars, Q_FULL, NUM_THREADS)
+                mbarrier_init(bars, FULL + stage, COPIERS)
+                mbarrier_init(bars, EMPTY + stage, CONSUMERS)
+            mbarrier_init(bars, Q_FULL, COPIERS)
         cuda.syncthreads()
+        if PRODUCER and group == GROUPS:
+            shrink_registers(PRODUCER_REGISTERS)
+            if n_blocks > 0:
+                produce(view, bars, q, k, v, q_at, h, q_row0 + m0, q_row0 + seqlen_q, kv_at, h_kv, k_row0 + first,
+                        k_row0 + seqlen_kv, n_blocks)
+            return
+        if PRODUCER:
+            grow_registers(CONSUMER_REGISTERS)
         q_desc = wgmma_descriptor(smem, start + 64 * group_row0, 0)  # the warpgroup's Q rows
         k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 0)  # the K tile of stage 0
         v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
         if n_blocks > 0:
-            load_tile_async(view, 0, BLOCK_M, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
-            cp_async_mbarrier_arrive(bars, Q_FULL)
-            for j in range(STAGES - 1):  # the first tiles
-                if j < n_blocks:
-                    load_kv_async(view, bars, k, v, kv_at, h_kv, j, j, k_row0 + first, k_row0 + seqlen_kv)
+            if not PRODUCER:
+                load_tile_async(view, 0, BLOCK_M, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+                cp_async_mbarrier_arrive(bars, Q_FULL)
+                for j in range(STAGES - 1):  # the first tiles
+                    if j < n_blocks:
+                        load_kv_async(view, bars, k, v, kv_at, h_kv, j, j, k_row0 + first, k_row0 + seqlen_kv)
             if GROUPS > 1 and group == GROUPS - 1:
                 barrier_arrive(TURN, 256)  # the first warpgroup goes first
 
@@ -232,28 +282,36 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)  # this warpgroup's turn on the tensor cores
+            if OVERLAP:  # S first, so that the softmax can start while P Vⱼ₋₁ runs
+                issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
             if j > 0:
                 issue_pv(acc, p_frag, v_desc + last_stage * V_STAGE_UNITS)
-            issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
+            elif OVERLAP:
+                wgmma_commit()  # an empty group in P V's place keeps the waits below constant
+            if not OVERLAP:
+                issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
             if GROUPS > 1:
                 barrier_arrive(TURN + (group + 1) % GROUPS, 256)
-            wgmma_wait(0)
+            wgmma_wait(S_PENDING)  # S = Q Kⱼᵀ is complete
             fence_registers(s, S_REGS)
-            fence_registers(acc, O_REGS)
-            if j > 0:
-                mbarrier_arrive(bars, EMPTY + last_stage)
+            if not OVERLAP:
+                release_stage(bars, acc, j, last_stage)
 
             n0 = first + j * BLOCK_N
             masked = n0 + BLOCK_N > seqlen_kv or (CAUSAL and n0 + BLOCK_N - 1 > m0 + diagonal)
             if WINDOW:
                 masked = masked or crosses_window(n0, BLOCK_N, m0, BLOCK_M, diagonal, left, right)
             factor = scale_and_mask(s, scale_log2, masked, row0, n0, seqlen_kv, diagonal, g, t, terms)
-            if update(s, m_i, l_i, row_max, alpha, factor):
+            grown = update(s, m_i, l_i, row_max, alpha, factor)
+            if OVERLAP:
+                wgmma_wait(0)  # P Vⱼ₋₁ is complete: the accumulator and P's registers are free
+                release_stage(bars, acc, j, last_stage)
+            if grown:
                 rescale(acc, alpha)
             pack_p(p_frag, s)
 
             ahead = j + STAGES - 1  # into the stage of tile j - 1, once every warpgroup is done with it
-            if ahead < n_blocks:
+            if not PRODUCER and ahead < n_blocks:
                 if j > 0:
                     wait_phase(bars, EMPTY + last_stage, last_parity)
                 load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, last_stage, k_row0 + first, k_row0 + seqlen_kv)

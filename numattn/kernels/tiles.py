@@ -93,8 +93,9 @@ def row_of_batch(at, row):
 
 
 @functools.cache
-def tile_copier(num_threads, place, source=row_of_batch, stepping=False):
-    """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for blocks of ``num_threads``.
+def tile_copier(num_threads, place, source=row_of_batch, stepping=False, first_thread=0):
+    """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for ``num_threads`` copying
+    threads, from thread ``first_thread`` of the block on.
 
     The block's threads issue 16-byte ``cp.async`` copies of row ``row0 + r``
     of ``src`` (``src[a, h, row, :ncols]`` for ``(a, row) = source(at, row0 + r)``: ``src[at, h, row0 + r]``
@@ -107,15 +108,16 @@ def tile_copier(num_threads, place, source=row_of_batch, stepping=False):
     takes one address computation and steps by the row stride from copy to copy (fewer instructions per
     copy, a few more registers).
     """
-    NUM_THREADS = num_threads
+    NUM_THREADS, FIRST_THREAD = num_threads, first_thread
     AFFINE = stepping and source is row_of_batch  # row r of the tile sits r row strides after row 0
 
     @cuda.jit(device=True, forceinline=True)
     def copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols):
         chunks = ncols // 8
+        thread = cuda.threadIdx.x - FIRST_THREAD
         if NUM_THREADS % chunks == 0:
             step = NUM_THREADS // chunks
-            first, c = cuda.threadIdx.x // chunks, (cuda.threadIdx.x % chunks) * 8
+            first, c = thread // chunks, (thread % chunks) * 8
             if AFFINE and rows % step == 0 and row0 + rows <= nrows:
                 address = global_address(src, (at, h, row0 + first, c))
                 pass_bytes = src.strides[2] * step
@@ -131,7 +133,7 @@ def tile_copier(num_threads, place, source=row_of_batch, stepping=False):
                     a, row = source(at, row0 + r if valid else 0)
                     cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
         else:
-            for i in range(cuda.threadIdx.x, rows * chunks, NUM_THREADS):
+            for i in range(thread, rows * chunks, NUM_THREADS):
                 r = i // chunks
                 c = (i - r * chunks) * 8
                 view_row, view_col = place(tile_row0, rows, r, c)

@@ -91,7 +91,8 @@ def _statement_intrinsic(text):
 
 
 def _bind_wait_group(twin, mnemonic):
-    """Make ``twin(N)`` emit ``mnemonic N;`` on the GPU; ``N`` must be a compile-time constant."""
+    """Make ``twin(N)`` emit ``mnemonic N;`` on the GPU (a wait for groups of asynchronous operations, or
+    another statement of one constant operand); ``N`` must be a compile-time constant."""
 
     @intrinsic
     def lowering(typingctx, pending):

@@ -373,6 +373,21 @@ def wgmma_wait(pending):
 _bind_wait_group(wgmma_wait, "wgmma.wait_group.sync.aligned")
 
 
+def grow_registers(count):
+    """``grow_registers(N)``: raise the registers per thread of the calling warpgroup to ``N`` (a constant, a
+    multiple of 8 up to 256), taking them from those that other warpgroups gave back (``setmaxnreg.inc``);
+    every thread of the warpgroup calls it, in a kernel compiled with a register limit. No-op twin."""
+
+
+def shrink_registers(count):
+    """``shrink_registers(N)``: give back the calling warpgroup's registers beyond ``N`` per thread (a constant,
+    a multiple of 8 from 24), for other warpgroups to take (``setmaxnreg.dec``). No-op twin."""
+
+
+_bind_wait_group(grow_registers, "setmaxnreg.inc.sync.aligned.u32")
+_bind_wait_group(shrink_registers, "setmaxnreg.dec.sync.aligned.u32")
+
+
 def fence_registers(acc, count):
     """``fence_registers(regs, COUNT)``: keep the compiler from moving accesses of ``regs[:COUNT]`` across it.
 
