@@ -310,12 +310,12 @@ def test_online_softmax_headroom(rng, where, headroom):
 
     from warp_kernels import softmax_update_kernel
 
-    first = rng.standard_normal((16, 16)).astype(np.float32)
+    first = rng.standard_normal((16, 16)).astype(np.float32) - 20  # negative: unscaled and scaled maxima disagree
     growth = np.where(np.arange(16) % 2 == 0, 3.0, -1.0).astype(np.float32)[:, None]  # even rows' max grows by 3
     scores = np.stack([first, first + growth])
     p, m = cuda.to_device(np.full((2, 16, 16), np.nan, np.float32)), cuda.to_device(np.full(16, np.nan, np.float32))
-    # the scores as the kernels hold them before the scale (2: exact), which update applies
-    softmax_update_kernel(headroom)[1, 32](cuda.to_device(scores / 2), p, m, np.float32(2))
+    # the scores as the kernels hold them before a scale (0.25: exact) that update applies
+    softmax_update_kernel(headroom)[1, 32](cuda.to_device(scores * 4), p, m, np.float32(0.25))
     p, m = p.copy_to_host(), m.copy_to_host()
     # the first tile sets every row's reference; the second moves it only without headroom
     references = np.stack([first.max(axis=1), scores.max(axis=(0, 2)) if headroom == 0 else first.max(axis=1)])

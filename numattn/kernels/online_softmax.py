@@ -167,7 +167,7 @@ def softmax_steps(warp_m, ntiles, dtiles, causal, dtype, headroom=RESCALE, mods=
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 1))
                 m_tile = max(m_tile, shfl_xor_f32(m_tile, 2))
                 row_max[r] = m_tile * factor
-                grow = grow or m_tile > m_i[r] + HEADROOM
+                grow = grow or row_max[r] > m_i[r] + HEADROOM
         rescale = ballot(grow) != 0
         if rescale:
             for r in range(2 * WARP_M):
