@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import numattn
-from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32
+from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32, global_address
 from numattn.kernels.tiles import tile_view
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
@@ -69,6 +69,19 @@ def test_tile_view_twin():
     assert tile.shape == (3, 5) and tile[2, 4] == 6 + 2 * 5 + 4
     tile[0, 0] = -1
     assert buf[6] == -1  # a view, not a copy
+
+
+@pytest.mark.sim
+def test_global_address_twin_steps_along_any_axis():
+    """The twin of a global address finds the element that the same byte offset reaches in memory, along any
+    axis of a (batch, heads, rows, dim) view of a (batch, rows, heads, dim) tensor: rows on, elements on, and
+    one head past the last head of a row, which is the first head of the next row."""
+    base = np.arange(2 * 5 * 3 * 8, dtype=np.uint16).reshape(2, 5, 3, 8)
+    view = base.transpose(0, 2, 1, 3)  # (batch 2, heads 3, rows 5, dim 8)
+    address = global_address(view, (1, 2, 1, 4))
+    assert (address + 3 * view.strides[2]).index == (1, 2, 4, 4)
+    assert (address + 2 * view.itemsize).index == (1, 2, 1, 6)
+    assert (address + view.strides[1]).index == (1, 0, 2, 4)  # base[1, 2, 0, 4]: row 2, head 0
 
 
 @pytest.mark.ptx
