@@ -199,6 +199,20 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
         assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
 
 
+def test_wgmma_producer_where_it_fits():
+    """At head dim 128 the wgmma default copies its tiles with a producer warpgroup, except for kernels that
+    would spill beside one (a softcap, a window with ALiBi, packed sequences); other head dims have none."""
+    from numattn.configs.attention import SEQUENCES_REGISTERS, choose_wgmma_config
+    from numattn.kernels.score_mods import ScoreMods
+
+    def producer(extra=0, head_dim=128, **mods):
+        return choose_wgmma_config(head_dim, head_dim, 227 * 1024, extra, ScoreMods(**mods)).producer
+
+    assert producer() and producer(window=True) and producer(alibi=True) and producer(sinks=True)
+    assert not producer(softcap=True) and not producer(window=True, alibi=True) and not producer(SEQUENCES_REGISTERS)
+    assert not producer(head_dim=64) and not producer(head_dim=256)
+
+
 def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
     and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""
