@@ -172,6 +172,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         head, m_tile, stage, dq_buffer = 0, 0, 0, 0
         for it in range(n_iters):
             next_head, next_tile = (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
+            next_stage = stage + 1 if stage + 1 < STAGES else 0
             dq_off = DQ_OFF + dq_buffer * BLOCK_M * DQ_ROW  # this tile's dQ buffer
             if reducer:
                 bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
@@ -180,7 +181,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
             ahead = it + 1
             if ahead < n_iters:  # into the stage of tile it - 1
-                load_query_tile(view, rows_f, 1 - stage, q, do, lse2, delta, at, h_kv * group_size + next_head,
+                load_query_tile(view, rows_f, next_stage, q, do, lse2, delta, at, h_kv * group_size + next_head,
                                 m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0)
             cp_async_commit()
             tile_offsets[0] = start
@@ -267,7 +268,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                     bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW,
                                         4 * D)
                 bulk_commit()
-            head, m_tile, stage = next_head, next_tile, 1 - stage
+            head, m_tile, stage = next_head, next_tile, next_stage
             dq_buffer = 0 if dq_buffer + 1 == DQ_STAGES else dq_buffer + 1
 
         if reducer:

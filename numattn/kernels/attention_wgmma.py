@@ -145,6 +145,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             pass
 
     @cuda.jit(device=True, forceinline=True)
+    def advance(stage, parity):
+        """The stage of the next tile and the parity of its use, from this tile's."""
+        return (0, parity ^ 1) if stage + 1 == STAGES else (stage + 1, parity)
+
+    @cuda.jit(device=True, forceinline=True)
     def produce(view, bars, q, k, v, q_at, h, q_start, q_end, kv_at, h_kv, first, nkeys, n_blocks):
         """The producer warpgroup's work: the Q tile, then every K/V tile into its stage once the computing
         warpgroups are done with the stage's previous tile."""
@@ -155,9 +160,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if j >= STAGES:
                 wait_phase(bars, EMPTY + stage, parity ^ 1)  # the stage's previous use is done
             load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys)
-            stage += 1
-            if stage == STAGES:
-                stage, parity = 0, parity ^ 1
+            stage, parity = advance(stage, parity)
         cp_async_commit()
         cp_async_wait_group(0)  # the copies land before their threads leave
 
@@ -317,9 +320,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                     wait_phase(bars, EMPTY + last_stage, last_parity)
                 load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, last_stage, k_row0 + first, k_row0 + seqlen_kv)
             last_stage, last_parity = stage, parity
-            stage += 1
-            if stage == STAGES:
-                stage, parity = 0, parity ^ 1
+            stage, parity = advance(stage, parity)
         if n_blocks > 0:
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)

@@ -90,9 +90,9 @@ def _statement_intrinsic(text):
     return lowering
 
 
-def _bind_wait_group(twin, mnemonic):
-    """Make ``twin(N)`` emit ``mnemonic N;`` on the GPU (a wait for groups of asynchronous operations, or
-    another statement of one constant operand); ``N`` must be a compile-time constant."""
+def _bind_constant_statement(twin, mnemonic):
+    """Make ``twin(N)`` emit ``mnemonic N;`` on the GPU (a wait for groups of asynchronous operations, a
+    register count); ``N`` must be a compile-time constant."""
 
     @intrinsic
     def lowering(typingctx, pending):

@@ -11,7 +11,7 @@ from numba.cuda.extending import intrinsic
 from ._core import (
     _asm,
     _bind,
-    _bind_wait_group,
+    _bind_constant_statement,
     _f32,
     _global_address,
     _i32,
@@ -211,7 +211,7 @@ def cp_async_wait_group(pending):
     """
 
 
-_bind_wait_group(cp_async_wait_group, "cp.async.wait_group")
+_bind_constant_statement(cp_async_wait_group, "cp.async.wait_group")
 
 
 # --------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def bulk_wait_read(pending):
     may still read their shared-memory sources (``cp.async.bulk.wait_group.read N``)."""
 
 
-_bind_wait_group(bulk_wait_read, "cp.async.bulk.wait_group.read")
+_bind_constant_statement(bulk_wait_read, "cp.async.bulk.wait_group.read")
 
 
 def bulk_wait(pending):
@@ -406,7 +406,7 @@ def bulk_wait(pending):
     incomplete (``cp.async.bulk.wait_group N``): their writes are then done."""
 
 
-_bind_wait_group(bulk_wait, "cp.async.bulk.wait_group")
+_bind_constant_statement(bulk_wait, "cp.async.bulk.wait_group")
 
 
 # --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from ._core import (
     WARP_SIZE,
     _asm,
     _bind,
-    _bind_wait_group,
+    _bind_constant_statement,
     _f32,
     _i32,
     _i64,
@@ -370,7 +370,7 @@ def wgmma_wait(pending):
     _named_barrier(("wgmma", thread // (4 * WARP_SIZE))).arrive(4 * WARP_SIZE, wait=True)
 
 
-_bind_wait_group(wgmma_wait, "wgmma.wait_group.sync.aligned")
+_bind_constant_statement(wgmma_wait, "wgmma.wait_group.sync.aligned")
 
 
 def grow_registers(count):
@@ -384,8 +384,8 @@ def shrink_registers(count):
     a multiple of 8 from 24), for other warpgroups to take (``setmaxnreg.dec``). No-op twin."""
 
 
-_bind_wait_group(grow_registers, "setmaxnreg.inc.sync.aligned.u32")
-_bind_wait_group(shrink_registers, "setmaxnreg.dec.sync.aligned.u32")
+_bind_constant_statement(grow_registers, "setmaxnreg.inc.sync.aligned.u32")
+_bind_constant_statement(shrink_registers, "setmaxnreg.dec.sync.aligned.u32")
 
 
 def fence_registers(acc, count):
