@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 
 import numattn
 from numattn import reference
+from numattn.configs.attention import WgmmaConfig
+from numattn.configs.backward import BackwardWgmmaConfig
 
 from conftest import ATOL
 from helpers import OnlyDLPack, as_dtype, max_error, random_qkv
@@ -211,6 +213,18 @@ def test_wgmma_producer_where_it_fits():
     assert producer() and producer(window=True) and producer(alibi=True) and producer(sinks=True)
     assert not producer(softcap=True) and not producer(window=True, alibi=True) and not producer(SEQUENCES_REGISTERS)
     assert not producer(head_dim=64) and not producer(head_dim=256)
+
+
+@pytest.mark.parametrize("config", [WgmmaConfig(128, 2, 3, producer=True), WgmmaConfig(64, 3, 4, producer=True),
+                                    WgmmaConfig(128, 1, 3, producer=True), BackwardWgmmaConfig(2, 2, producer=True)],
+                         ids=str)
+def test_producer_registers_come_from_the_block(config):
+    """``setmaxnreg`` only moves registers within a block: the computing warpgroups may grow only by what the
+    producer gives back from the launch's count (asking for more would wait forever on the GPU)."""
+    given_back = 128 * (config.max_registers - config.producer_registers)
+    taken = 128 * config.warpgroups * (config.consumer_registers - config.max_registers)
+    assert config.consumer_registers % 8 == 0 and config.producer_registers % 8 == 0
+    assert 0 <= taken <= given_back
 
 
 def test_default_kernel_per_device(monkeypatch):

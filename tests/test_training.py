@@ -100,16 +100,37 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
     check_gradients(q, k, v, causal)
 
 
-def test_warpgroup_gradients():
+@pytest.mark.parametrize("producer", [False, True], ids=["computing-warpgroups-copy", "producer"])
+def test_warpgroup_gradients(producer, monkeypatch):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
-    two query tiles, two key blocks, causal with partial tiles."""
+    two query tiles, two key blocks, causal with partial tiles; the default configuration at head dim 64, and
+    two warpgroups beside a producer at head dim 128."""
+    import numattn.ops.backward
     from numattn.configs.backward import BackwardWgmmaConfig
     from numattn.ops.backward import backward_config
 
     assert isinstance(backward_config("bfloat16", 64, 64), BackwardWgmmaConfig)
-    q, k, v = leaf((1, 2, 70, 64), torch.bfloat16), leaf((1, 1, 100, 64), torch.bfloat16), leaf((1, 1, 100, 64),
-                                                                                                torch.bfloat16)
+    head_dim, seqlen_kv = (128, 150) if producer else (64, 100)
+    if producer:
+        monkeypatch.setattr(numattn.ops.backward, "choose_backward_wgmma_config",
+                            lambda *_: BackwardWgmmaConfig(2, 2, producer=True))
+    q = leaf((1, 2, 70, head_dim), torch.bfloat16)
+    k, v = leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16), leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16)
     check_gradients(q, k, v, causal=True)
+
+
+def test_backward_producer_where_it_fits():
+    """At head dim 128 the wgmma backward's default has a producer warpgroup, except with a softcap, ALiBi or
+    packed sequences; other head dims have one warpgroup and none."""
+    from numattn.configs.backward import choose_backward_wgmma_config
+    from numattn.kernels.score_mods import ScoreMods
+
+    def producer(head_dim=128, varlen=False, **mods):
+        return choose_backward_wgmma_config(head_dim, head_dim, 227 * 1024, ScoreMods(**mods), varlen).producer
+
+    assert producer() and producer(window=True) and producer(sinks=True)
+    assert not producer(softcap=True) and not producer(alibi=True) and not producer(varlen=True)
+    assert not producer(head_dim=64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -205,8 +205,10 @@ class WgmmaConfig:
 
     @property
     def consumer_registers(self):
-        """Registers per thread of a computing warpgroup beside a producer: the register file's rest."""
-        return min(256, (65536 - 128 * PRODUCER_REGISTERS) // (128 * self.warpgroups) // 8 * 8)
+        """Registers per thread of a computing warpgroup beside a producer: the block's registers at launch less
+        the producer's (``setmaxnreg`` moves registers within the block; asking for more waits forever)."""
+        pool = self.max_registers * self.num_threads - 128 * PRODUCER_REGISTERS
+        return min(256, pool // (128 * self.warpgroups) // 8 * 8)
 
     @property
     def max_registers(self):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD, STAGES
 from ..kernels.ptx import SW128_ALIGN
+from ..kernels.score_mods import NO_MODS
 from ..kernels.tiles import PAD
 
 
@@ -79,13 +80,16 @@ def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=Fal
 @dataclass(frozen=True)
 class BackwardWgmmaConfig:
     """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
-    shared-memory buffers for the dQ tiles on their way to the float32 accumulator."""
+    shared-memory buffers for the dQ tiles on their way to the float32 accumulator. ``producer``: one more
+    warpgroup copies the query tiles and adds the dQ tiles, with ``BACKWARD_PRODUCER_REGISTERS`` registers
+    per thread, and the computing ones take the rest of the register file (``consumer_registers``)."""
 
     warpgroups: int = 2
     dq_stages: int = 2
+    producer: bool = False
 
     def __post_init__(self):
-        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2):
+        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2) or (self.producer and self.warpgroups != 2):
             raise ValueError(f"inconsistent wgmma backward configuration {self}")
 
     @property
@@ -98,7 +102,24 @@ class BackwardWgmmaConfig:
 
     @property
     def num_threads(self):
-        return 128 * self.warpgroups
+        return 128 * (self.warpgroups + self.producer)
+
+    @property
+    def producer_registers(self):
+        """Registers per thread of the producer warpgroup."""
+        return BACKWARD_PRODUCER_REGISTERS
+
+    @property
+    def consumer_registers(self):
+        """Registers per thread of a computing warpgroup beside a producer: the block's registers at launch less
+        the producer's (``setmaxnreg`` moves registers within the block; asking for more waits forever)."""
+        pool = self.max_registers * self.num_threads - 128 * BACKWARD_PRODUCER_REGISTERS
+        return min(256, pool // (128 * self.warpgroups) // 8 * 8)
+
+    @property
+    def max_registers(self):
+        """The registers per thread a block of ``num_threads`` threads may start with."""
+        return min(255, 65536 // self.num_threads // 8 * 8)
 
     def fits(self, head_dim):
         """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""
@@ -113,16 +134,31 @@ class BackwardWgmmaConfig:
         return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
+# the producer copies with plain cp.async and issues bulk reductions: a few registers suffice, and every one it
+# gives back lets the computing warpgroups (dQ, dK, dV accumulators and the scores) hold theirs without spilling
+BACKWARD_PRODUCER_REGISTERS = 56
+
+
 def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
     """Whether the wgmma backward takes this dtype and these head dims on a GPU of compute capability ``cc``."""
     return cc == (9, 0) and dtype in ("float16", "bfloat16") and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
 
 
-def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
-    """Two warpgroups where they fit (registers: head dims up to 128), else one, each with two dQ buffers
-    where they fit, else one; None if nothing fits."""
+def backward_producer_fits(mods=NO_MODS, varlen=False):
+    """Whether the wgmma backward takes a producer warpgroup for these score modifications and sequences: the
+    computing warpgroups keep few spills at its register share with no modification, a window or sinks (measured
+    faster); with a softcap it measured slower, and ALiBi and packed sequences spill more."""
+    return not (mods.softcap or mods.alibi or varlen)
+
+
+def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes, mods=NO_MODS, varlen=False):
+    """Two warpgroups where they fit (registers: head dims up to 128), beside a producer where it fits
+    (``backward_producer_fits``), else one, each with two dQ buffers where they fit, else one; None if
+    nothing fits."""
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
     candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
+    if 2 in groups and backward_producer_fits(mods, varlen):
+        candidates.insert(0, BackwardWgmmaConfig(2, 2, producer=True))
     for config in candidates:
         if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config

@@ -53,13 +53,14 @@ _ONE = np.float32(1.0)
 
 
 @functools.lru_cache(maxsize=None)
-def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS):
+def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copier=0):
     """Device functions ``(copy_rows, to_gradients, store_rows, add_dq)`` shared by the tensor-core backward
-    kernels with blocks of ``num_threads`` threads, for a warp's accumulator tiles (mma.sync's layout:
+    kernels whose copies are issued by ``num_threads`` threads from thread ``first_copier`` on, for a warp's
+    accumulator tiles (mma.sync's layout:
     entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``, column ``8n + 2t + e % 2`` of the warp's 16
     rows; the scores ``s[0, n, e]`` over ``mtiles`` n8 tiles of query columns), with the score
     modifications ``mods`` (``score_mods.py``)."""
-    MTILES, CAUSAL, NUM_THREADS = mtiles, causal, num_threads
+    MTILES, CAUSAL, NUM_THREADS, FIRST_COPIER = mtiles, causal, num_threads, first_copier
     WINDOW, ELEMENTWISE = mods.window, mods.elementwise
     gradient = score_gradient(mods)
     ROW_CHUNKS = 2 * mtiles  # 16-byte chunks of a query tile's lse2 (or delta) row
@@ -69,7 +70,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS):
     def copy_rows(rows, lse2, delta, b, h, m0):
         """Issue the copies of query tile ``m0``'s lse2 and delta (rows past the end: the arrays' zero padding)
         into ``rows[0]`` and ``rows[1]``."""
-        for i in range(cuda.threadIdx.x, 2 * ROW_CHUNKS, NUM_THREADS):
+        for i in range(cuda.threadIdx.x - FIRST_COPIER, 2 * ROW_CHUNKS, NUM_THREADS):
             c = 4 * (i % ROW_CHUNKS)
             if i < ROW_CHUNKS:
                 cp_async_16(rows, 0, c, lse2, (b, h, m0 + c), 16)

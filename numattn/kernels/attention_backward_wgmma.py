@@ -22,30 +22,45 @@ is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through two ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 
+With a ``producer`` one more warpgroup, holding few registers (``setmaxnreg``), takes
+the copies and the dQ reductions (a row per thread of two warps, a tile behind the
+copies) off the computing warpgroups: mbarriers tell when a query stage is full and when the
+computing warpgroups are done with it, when a dQ tile is staged and when its
+buffer has been read, so that the computing warpgroups meet only around the dS
+tile (a named barrier) and never wait for a copy to be issued or a reduction to
+be accepted, FlashAttention-3's division of the backward.
+
 Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligned rows.
 """
 
 import functools
 
 import numpy as np
-from numba import float32, uint16, uint32
+from numba import float32, int64, uint16, uint32
 
-from .._cuda import cuda
+from .._cuda import SIMULATOR, cuda
 from .attention_backward_mma import gradient_steps
 from .constants import LOG2E_F32
 from .online_softmax import p_fragments
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
+    barrier_sync,
     bulk_commit,
     bulk_reduce_add_f32,
     bulk_wait,
     bulk_wait_read,
     cp_async_commit,
+    cp_async_mbarrier_arrive,
     cp_async_wait_group,
     fence_proxy_async,
     fence_registers,
     forget_registers,
+    grow_registers,
+    mbarrier_arrive,
+    mbarrier_init,
+    mbarrier_wait,
+    shrink_registers,
     st_shared_v2_f32,
     stmatrix_x4_trans,
     wgmma_commit,
@@ -59,7 +74,7 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
 from .sequences import DENSE, backward_kernel, key_block_locator
-from .tiles import sw128_cell, tile_copier, tile_view
+from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
@@ -74,10 +89,21 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
     ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
+    PRODUCER = config.producer
+    CONSUMERS = 128 * GROUPS  # the computing threads
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
-    # each staged dQ row is added by one bulk reduction; every warp issues an equal share of them (a warp
-    # issues its lanes' bulk operations one after another)
-    ROW_SHARE = BLOCK_M // (NUM_THREADS // 32)
+    # the copying threads, and the warps that add the dQ tiles: with a producer its threads and first two warps
+    COPIERS, FIRST_COPIER = (128, CONSUMERS) if PRODUCER else (NUM_THREADS, 0)
+    REDUCING_WARPS, FIRST_REDUCING_WARP = (2, 4 * GROUPS) if PRODUCER else (NUM_THREADS // 32, 0)
+    # each staged dQ row is added by one bulk reduction; every reducing warp issues an equal share of them (a
+    # warp issues its lanes' bulk operations one after another)
+    ROW_SHARE = BLOCK_M // REDUCING_WARPS
+    # mbarriers (with a producer): FULL + s (query stage s landed; the first use brings K and V too), EMPTY + s
+    # (every computing thread is done with stage s), DQ_FULL + b (dQ buffer b staged), DQ_EMPTY + b (its rows read)
+    FULL, EMPTY = 0, STAGES
+    DQ_FULL, DQ_EMPTY = 2 * STAGES, 2 * STAGES + DQ_STAGES
+    BARRIERS = 2 * STAGES + 2 * DQ_STAGES
+    DS_BARRIER = 1  # named barrier of the computing threads around the dS tile
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     MTILES, MSTEPS = BLOCK_M // 8, BLOCK_M // 16  # n8 tiles of Sᵀ; k-steps of dV, dK
@@ -101,9 +127,10 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     DQ_ROW = D + DQ_PAD
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
-    copy_tile = tile_copier(NUM_THREADS, sw128_cell)
-    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
+    copy_tile = tile_copier(COPIERS, sw128_cell, stepping=PRODUCER, first_thread=FIRST_COPIER)
+    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, COPIERS, mods, FIRST_COPIER)
     WINDOW, ALIBI = mods.window, mods.alibi
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
     VARLEN = sequences.varlen
     locate = key_block_locator(sequences)
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
@@ -117,6 +144,47 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
     @cuda.jit(device=True, forceinline=True)
+    def next_query_tile(head, m_tile, m_tiles):
+        """The (query head within the group, query tile) after this one: tiles of a head, head after head."""
+        return (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv, m_first, m_tiles,
+                n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row):
+        """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
+        the computing warpgroups are done with the stage's previous tile; one tile behind, each staged dQ tile's
+        rows added to the accumulator (row ``reduced_row`` by each ``reducer``) and its buffer given back."""
+        copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+        head, m_tile, stage, parity = 0, 0, 0, 0  # the tile to copy
+        added_head, added_tile, buffer, buffer_parity = 0, 0, 0, 0  # the tile whose dQ to add
+        for it in range(n_iters + 1):
+            if it < n_iters:  # copy tile it
+                if it >= STAGES:
+                    mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # the stage's previous tile is done
+                load_query_tile(view, rows_f, stage, q, do, lse2, delta, at, h0 + head, m_first + m_tile * BLOCK_M,
+                                q_row0, seqlen_q, rows0)
+                cp_async_mbarrier_arrive(bars, FULL + stage)
+                head, m_tile = next_query_tile(head, m_tile, m_tiles)
+                stage, parity = ring_next(stage, parity, STAGES)
+            if it > 0:  # add tile it - 1's dQ
+                mbarrier_wait(bars, DQ_FULL + buffer, buffer_parity)
+                m0 = m_first + added_tile * BLOCK_M
+                if reducer:
+                    if m0 + reduced_row < seqlen_q:
+                        bulk_reduce_add_f32(dq, (at, h0 + added_head, q_row0 + m0 + reduced_row, 0), rows_f,
+                                            DQ_OFF + buffer * BLOCK_M * DQ_ROW + reduced_row * DQ_ROW, 4 * D)
+                    bulk_commit()
+                    bulk_wait_read(0)
+                mbarrier_arrive(bars, DQ_EMPTY + buffer)
+                added_head, added_tile = next_query_tile(added_head, added_tile, m_tiles)
+                buffer, buffer_parity = ring_next(buffer, buffer_parity, DQ_STAGES)
+        cp_async_commit()
+        cp_async_wait_group(0)  # the copies land before their threads leave
+        if reducer:
+            bulk_wait(0)  # the reductions are done before the block's shared memory goes
+
+    @cuda.jit(device=True, forceinline=True)
     def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
                  cap_slope, seqs):
         b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0 = locate(
@@ -124,12 +192,14 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         if VARLEN and n0 >= seqlen_kv:
             return  # past the sequence's keys
         smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(BARRIERS, int64)
         start = aligned_start(smem, SW128_ALIGN)
         view = tile_view(smem, start, VIEW_ROWS, 64)
         rows_f = cuda.shared.array(0, float32)[start // 2 + ROWS_OFF:]  # the same bytes, past the view
         heads, heads_kv = q.shape[1], k.shape[1]
         diagonal = seqlen_kv - seqlen_q  # query i sees key j <= i + diagonal
         group_size = heads // heads_kv
+        h0 = h_kv * group_size  # the group's first query head
         if WINDOW:
             m_first, m_tiles = window_queries(n0, BLOCK_N, diagonal, seqlen_q, BLOCK_M, left, right)
         n_iters = group_size * m_tiles  # (query head, query tile) pairs, head-major
@@ -140,15 +210,31 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         key0 = 16 * warp  # the warp's first key within the block (warpgroup wg: keys 64wg ..)
         dq_row0 = 16 * (warp % 4)  # the warp's dQ rows within a query tile
         dq_col0 = DQ_N * wg  # the warpgroup's dQ columns
-        reducer = lane < ROW_SHARE
-        reduced_row = ROW_SHARE * warp + lane  # the dQ row a reducer adds
+        reducer = FIRST_REDUCING_WARP <= warp < FIRST_REDUCING_WARP + REDUCING_WARPS and lane < ROW_SHARE
+        reduced_row = ROW_SHARE * (warp - FIRST_REDUCING_WARP) + lane  # the dQ row a reducer adds
 
-        copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-        copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
-        if n_iters > 0:
-            load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h_kv * group_size, m_first, q_row0, seqlen_q,
-                            rows0)
-        cp_async_commit()
+        if PRODUCER:
+            if cuda.threadIdx.x == 0:
+                for stage in range(STAGES):
+                    mbarrier_init(bars, FULL + stage, COPIERS)
+                    mbarrier_init(bars, EMPTY + stage, CONSUMERS)
+                for buffer in range(DQ_STAGES):
+                    mbarrier_init(bars, DQ_FULL + buffer, CONSUMERS)
+                    mbarrier_init(bars, DQ_EMPTY + buffer, 128)
+            cuda.syncthreads()
+            if wg == GROUPS:
+                shrink_registers(PRODUCER_REGISTERS)
+                if n_iters > 0:
+                    produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv,
+                            m_first, m_tiles, n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row)
+                return
+            grow_registers(CONSUMER_REGISTERS)
+        else:
+            copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+            copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+            if n_iters > 0:
+                load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
+            cp_async_commit()
 
         dk_acc = cuda.local.array((1, DTILES, 4), float32)
         dv_acc = cuda.local.array((1, DVTILES, 4), float32)
@@ -167,23 +253,26 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         # matrix descriptors of every k-step would stay live in registers
         tile_offsets = cuda.local.array(1, uint32)
 
-        # iteration it's query head within the group and query tile (it // m_tiles, it % m_tiles), its stage
-        # and dQ buffer, counted along rather than divided out
-        head, m_tile, stage, dq_buffer = 0, 0, 0, 0
+        # iteration it's query head within the group and query tile (it // m_tiles, it % m_tiles), its query
+        # stage and dQ buffer with the parities of their uses, counted along rather than divided out
+        head, m_tile, stage, parity, dq_buffer, dq_parity = 0, 0, 0, 0, 0, 0
         for it in range(n_iters):
-            next_head, next_tile = (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
-            next_stage = stage + 1 if stage + 1 < STAGES else 0
+            next_head, next_tile = next_query_tile(head, m_tile, m_tiles)
+            next_stage, next_parity = ring_next(stage, parity, STAGES)
             dq_off = DQ_OFF + dq_buffer * BLOCK_M * DQ_ROW  # this tile's dQ buffer
-            if reducer:
-                bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
-            cp_async_wait_group(0)  # tile it has landed
-            fence_proxy_async()  # this thread's copies, visible to wgmma
-            cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
-            ahead = it + 1
-            if ahead < n_iters:  # into the stage of tile it - 1
-                load_query_tile(view, rows_f, next_stage, q, do, lse2, delta, at, h_kv * group_size + next_head,
-                                m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0)
-            cp_async_commit()
+            if PRODUCER:
+                mbarrier_wait(bars, FULL + stage, parity)  # tile it (and, the first time, K and V) has landed
+                fence_proxy_async()  # copies made visible to this thread become visible to wgmma
+            else:
+                if reducer:
+                    bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
+                cp_async_wait_group(0)  # tile it has landed
+                fence_proxy_async()  # this thread's copies, visible to wgmma
+                cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
+                if it + 1 < n_iters:  # into the stage of tile it - 1
+                    load_query_tile(view, rows_f, next_stage, q, do, lse2, delta, at, h0 + next_head,
+                                    m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0)
+                cp_async_commit()
             tile_offsets[0] = start
             fence_registers(tile_offsets, 1)
             # matrix descriptors (units of 16 bytes: 8 elements) of the tiles, each k-step one constant on
@@ -192,7 +281,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             ds_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * DS_ROW0, 0)
             k_mn_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * K_ROW0 + (dq_col0 // 64) * 64 * BLOCK_N,
                                          64 * BLOCK_N)  # K as dQ's MN-major B operand
-            h = h_kv * group_size + head
+            h = h0 + head
             m0 = m_first + m_tile * BLOCK_M
             terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
             q_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * (Q_ROW0 + stage * Q_ROWS), 0)
@@ -235,13 +324,18 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                          True, True)
             wgmma_commit()
 
+            if PRODUCER:
+                barrier_sync(DS_BARRIER, CONSUMERS)  # every warpgroup's dQ of tile it - 1 has read dS
             # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
             # queries 16kk + 8(i // 2) ..), stored transposed; lane 8i + j addresses query row j of block i
             for kk in range(MSTEPS):
                 row, col = sw128_cell(DS_ROW0, BLOCK_M, 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
                 stmatrix_x4_trans(view, row, col, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3])
             fence_proxy_async()
-            cuda.syncthreads()  # dS complete
+            if PRODUCER:
+                barrier_sync(DS_BARRIER, CONSUMERS)  # dS complete
+            else:
+                cuda.syncthreads()
 
             # dQ = dS K for the warpgroup's columns: A = dS (K-major), B = K tile rows 16kk .. (MN-major),
             # queued behind dV and dK (no drain in between)
@@ -256,24 +350,34 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             fence_registers(p_frag, FRAG_REGS)
             fence_registers(ds_frag, FRAG_REGS)
             fence_registers(dq_acc, DQ_REGS)
+            if PRODUCER:
+                mbarrier_arrive(bars, EMPTY + stage)  # done with the query stage
+                if it >= DQ_STAGES:
+                    mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last rows are read
             dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
             for half in range(2):
                 for n in range(DQ_TILES):
                     st_shared_v2_f32(dq_stage, dq_row0 + g + 8 * half, dq_col0 + 8 * n + 2 * t,
                                      dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
             fence_proxy_async()
-            cuda.syncthreads()  # the tile's dQ rows are staged
-            if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
-                if m0 + reduced_row < seqlen_q:
-                    bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f, dq_off + reduced_row * DQ_ROW,
-                                        4 * D)
-                bulk_commit()
-            head, m_tile, stage = next_head, next_tile, next_stage
-            dq_buffer = 0 if dq_buffer + 1 == DQ_STAGES else dq_buffer + 1
+            if PRODUCER:
+                mbarrier_arrive(bars, DQ_FULL + dq_buffer)
+            else:
+                cuda.syncthreads()  # the tile's dQ rows are staged
+                if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
+                    if m0 + reduced_row < seqlen_q:
+                        bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f,
+                                            dq_off + reduced_row * DQ_ROW, 4 * D)
+                    bulk_commit()
+            head, m_tile, stage, parity = next_head, next_tile, next_stage, next_parity
+            dq_buffer, dq_parity = ring_next(dq_buffer, dq_parity, DQ_STAGES)
 
         if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
         store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
         store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, 1.0, g, t)
 
-    return cuda.jit(backward_kernel(backward, sequences))
+    kernel = backward_kernel(backward, sequences)
+    if SIMULATOR or not PRODUCER:  # the simulator's jit takes no register limit
+        return cuda.jit(kernel)
+    return cuda.jit(kernel, max_registers=config.max_registers)

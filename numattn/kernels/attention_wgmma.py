@@ -48,7 +48,7 @@ from .ptx import (
     grow_registers,
     mbarrier_arrive,
     mbarrier_init,
-    mbarrier_try_wait,
+    mbarrier_wait,
     pack_bf16x2,
     pack_f16x2,
     shrink_registers,
@@ -64,7 +64,7 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
-from .tiles import sw128_cell, tile_copier, tile_view
+from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
@@ -139,17 +139,6 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
-    def wait_phase(bars, barrier, use):
-        """Wait for phase ``use`` of an mbarrier (its ``use``-th completion, counting from 0)."""
-        while not mbarrier_try_wait(bars, barrier, use % 2):
-            pass
-
-    @cuda.jit(device=True, forceinline=True)
-    def advance(stage, parity):
-        """The stage of the next tile and the parity of its use, from this tile's."""
-        return (0, parity ^ 1) if stage + 1 == STAGES else (stage + 1, parity)
-
-    @cuda.jit(device=True, forceinline=True)
     def produce(view, bars, q, k, v, q_at, h, q_start, q_end, kv_at, h_kv, first, nkeys, n_blocks):
         """The producer warpgroup's work: the Q tile, then every K/V tile into its stage once the computing
         warpgroups are done with the stage's previous tile."""
@@ -158,9 +147,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         stage, parity = 0, 0  # tile j's stage and the parity of its use, as the computing loop counts them
         for j in range(n_blocks):
             if j >= STAGES:
-                wait_phase(bars, EMPTY + stage, parity ^ 1)  # the stage's previous use is done
+                mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # the stage's previous use is done
             load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys)
-            stage, parity = advance(stage, parity)
+            stage, parity = ring_next(stage, parity, STAGES)
         cp_async_commit()
         cp_async_wait_group(0)  # the copies land before their threads leave
 
@@ -277,12 +266,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             seed_sink(m_i, l_i, sinks[h] * LOG2E_F32, t)
 
         if n_blocks > 0:
-            wait_phase(bars, Q_FULL, 0)
+            mbarrier_wait(bars, Q_FULL, 0)
         # tile j's stage j % STAGES and the parity of its use (j // STAGES) % 2, and those of tile j - 1,
         # whose stage tile j + STAGES - 1 takes, counted along rather than divided out
         stage, parity, last_stage, last_parity = 0, 0, STAGES - 1, 1
         for j in range(n_blocks):
-            wait_phase(bars, FULL + stage, parity)
+            mbarrier_wait(bars, FULL + stage, parity)
             fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)  # this warpgroup's turn on the tensor cores
@@ -317,10 +306,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             ahead = j + STAGES - 1  # into the stage of tile j - 1, once every warpgroup is done with it
             if not PRODUCER and ahead < n_blocks:
                 if j > 0:
-                    wait_phase(bars, EMPTY + last_stage, last_parity)
+                    mbarrier_wait(bars, EMPTY + last_stage, last_parity)
                 load_kv_async(view, bars, k, v, kv_at, h_kv, ahead, last_stage, k_row0 + first, k_row0 + seqlen_kv)
             last_stage, last_parity = stage, parity
-            stage, parity = advance(stage, parity)
+            stage, parity = ring_next(stage, parity, STAGES)
         if n_blocks > 0:
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)

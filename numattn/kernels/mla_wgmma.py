@@ -72,7 +72,7 @@ from .ptx import (
     global_address,
     mbarrier_arrive,
     mbarrier_init,
-    mbarrier_try_wait,
+    mbarrier_wait,
     opaque,
     pack_bf16x2,
     pack_f16x2,
@@ -324,12 +324,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
-    def wait_phase(bars, barrier, parity):
-        """Wait for the completion of an mbarrier phase of this parity (phases count from 0)."""
-        while not mbarrier_try_wait(bars, barrier, parity):
-            pass
-
-    @cuda.jit(device=True, forceinline=True)
     def issue_scores(s, smem, start, stage):
         """Start ``S = Q Kᵀ`` on the tile in ring ``stage``: four k-steps per 64-column panel of the Q
         and latent tiles, their descriptors the tile's first plus constants (16-byte units)."""
@@ -432,10 +426,10 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         q_row0 = Q_HALF * q_half  # the M row of the item's first head
         init(m_i, l_i, acc)
         if n_tiles > 0 and (scorer or not PERSISTENT):
-            wait_phase(bars, Q_FULL + q_half, (items_done >> 1) & 1)
+            mbarrier_wait(bars, Q_FULL + q_half, (items_done >> 1) & 1)
         for j in range(n_tiles):
             if scorer:
-                wait_phase(bars, FULL + stage, parity)
+                mbarrier_wait(bars, FULL + stage, parity)
                 fence_proxy_async()  # copies made visible to this thread become visible to wgmma
                 if not SHARED:
                     barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
@@ -452,7 +446,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                         wgmma_wait(1)
                         fence_registers(acc, O_REGS)
                         if more:
-                            wait_phase(bars, SCORED + STAGES * other + prev_stage, prev_parity)
+                            mbarrier_wait(bars, SCORED + STAGES * other + prev_stage, prev_parity)
                     if more:
                         stream = copy_next(view, bars, ckv, kpe, prev_stage, stream, page_table, seqlens, items,
                                            walk, group, my_row, my_lane)
@@ -470,19 +464,19 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 pack_p(p_frag, s)
                 if SHARED:  # hand P over once warpgroup 1 has read the previous one
                     if tiles_done + j > 0:
-                        wait_phase(bars, P_FREE, (tiles_done + j - 1) & 1)
+                        mbarrier_wait(bars, P_FREE, (tiles_done + j - 1) & 1)
                     share_p(view, stats, p_frag, alpha, rescaled, warp, g, t)
                     fence_proxy_async()
                     mbarrier_arrive(bars, P_READY)
             else:
-                wait_phase(bars, P_READY, (tiles_done + j) & 1)
+                mbarrier_wait(bars, P_READY, (tiles_done + j) & 1)
                 if stats[FLAGS + warp % 4] != _ZERO:
                     for half in range(2):
                         factor = stats[ALPHA + 16 * (warp % 4) + g + 8 * half]
                         for dt in range(DTILES):
                             acc[0, dt, 2 * half] *= factor
                             acc[0, dt, 2 * half + 1] *= factor
-                wait_phase(bars, FULL + stage, parity)
+                mbarrier_wait(bars, FULL + stage, parity)
                 fence_proxy_async()
                 issue_pv_shared(acc, smem, start, stage)
                 wgmma_wait(0)
@@ -521,7 +515,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         if SHARED and (n_tiles > 0 or not PERSISTENT):
             if group == 0:
                 if PERSISTENT:
-                    wait_phase(bars, P_FREE, (tiles_done - 1) & 1)
+                    mbarrier_wait(bars, P_FREE, (tiles_done - 1) & 1)
                 if t == 0:
                     for half in range(2):
                         stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
@@ -532,7 +526,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 cuda.syncthreads()  # also: every product is complete, the Q tile free for the output rows
             if group == 1:
                 if PERSISTENT:
-                    wait_phase(bars, STATS_READY, items_done & 1)
+                    mbarrier_wait(bars, STATS_READY, items_done & 1)
                 for half in range(2):
                     l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
                     m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
@@ -595,7 +589,7 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
                 else:
                     q_b, q_c = next_with_keys(q_b, q_c, seqlens, items)
                     barrier_sync(STAGED + group, 128)  # its own rows read by all its threads
-                    wait_phase(bars, HALF_FREE, (items_done - 1) & 1)  # warpgroup 0's rows
+                    mbarrier_wait(bars, HALF_FREE, (items_done - 1) & 1)  # warpgroup 0's rows
                     if q_b < items[0]:
                         load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, q_half)
         return stream, (stage, parity, prev_stage, prev_parity, tiles_done, items_done, q_b, q_c)

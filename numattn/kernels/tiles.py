@@ -218,3 +218,10 @@ def query_tiles(n0, seqlen_q, seqlen_kv, block_m, causal):
     (under causal masking from the first that holds a row seeing key ``n0``)."""
     m_first = max(0, n0 - (seqlen_kv - seqlen_q)) // block_m * block_m if causal else 0
     return m_first, max(0, (seqlen_q - m_first + block_m - 1) // block_m)
+
+
+@cuda.jit(device=True, forceinline=True)
+def ring_next(slot, parity, slots):
+    """The next tile's buffer in a ring of ``slots`` buffers and the parity of its use (the use's count in that
+    buffer modulo 2, as mbarrier phases go), from this tile's."""
+    return (0, parity ^ 1) if slot + 1 == slots else (slot + 1, parity)

@@ -30,6 +30,7 @@ from .barriers import (  # noqa: F401
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_try_wait,
+    mbarrier_wait,
 )
 from .cluster import cluster_sync, ld_cluster_f32, ld_cluster_f32x4  # noqa: F401
 from .convert import (  # noqa: F401

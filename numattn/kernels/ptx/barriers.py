@@ -132,6 +132,22 @@ def _mbarrier_try_wait_gpu(bars, index, parity):
     return impl
 
 
+def mbarrier_wait(bars, index, parity):
+    """``mbarrier_wait(bars, i, parity)``: wait until the phase of ``bars[i]`` with this parity (its low bit)
+    has completed (``mbarrier_try_wait`` in a loop)."""
+    while not mbarrier_try_wait(bars, index, parity % 2):
+        pass
+
+
+@overload(mbarrier_wait, target="cuda")
+def _mbarrier_wait_gpu(bars, index, parity):
+    def impl(bars, index, parity):
+        while _try_wait(bars, index, parity % 2) == 0:  # the low bit, stated: ptxas then keeps a register less
+            pass
+
+    return impl
+
+
 # --------------------------------------------------------------------------
 # Named barriers
 # --------------------------------------------------------------------------
