@@ -65,6 +65,9 @@ SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types
                    types.float32)
 DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:], *MOD_SIGNATURE)
 ATTENTION_SPLIT_SIGNATURE = SPLIT_SIGNATURE + MOD_SIGNATURE
+# q, k, v, dO, lse2, delta, the float32 dQ accumulator, dK, dV, scale, scale_log2
+BACKWARD_SIGNATURE = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32,
+                      types.float32, *MOD_SIGNATURE)
 
 
 def report(ptx):
@@ -117,6 +120,10 @@ def variants():
     yield "mma-float16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
     kernel = simt_attention_kernel(SimtConfig(64, 32, 128, 8), "float32", 64, 64, True, True, sequences=paged)
     yield "simt-float32-causal1-d64-paged", kernel, SIGNATURE[types.float32] + SEQUENCE_SIGNATURE
+    # the backward at head dim 128: a producer warpgroup copies the query tiles and adds the dQ tiles
+    config = choose_backward_wgmma_config(128, 128, 227 * 1024)
+    yield ("backward-wgmma-bfloat16-causal1-d128", backward_wgmma_kernel(config, "bfloat16", 128, 128, True),
+           BACKWARD_SIGNATURE)
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
@@ -143,8 +150,7 @@ def training_and_mla_variants():
     """``(name, kernel, signature)`` of the backward's tensor-core kernels (the configurations chosen on an
     sm_90 GPU) and the MLA decode kernel of DeepSeek's sizes, which ``--resources`` reports too."""
     limits = {"cc": (9, 0), "max_shared": 227 * 1024}
-    backward = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32, types.float32,
-                *MOD_SIGNATURE)
+    backward = BACKWARD_SIGNATURE
     for dtype in ("float16", "bfloat16"):
         for head_dim in (64, 128):
             config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
