@@ -668,7 +668,9 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
         arrays = (q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part)
         regs = (m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row)
         me = (tid, warp, g, t, group, other, my_row, my_lane)
-        state = (0, 0, STAGES - 1, 1, 0, 0, q_b, q_c)  # see process_item
+        # see process_item; typed, not literal, integers: from a tuple of literals the persistent loop would
+        # type and lower process_item twice (for the literals, then for the state it returns), a second a compile
+        state = (int64(0), int64(0), int64(STAGES - 1), int64(1), int64(0), int64(0), q_b, q_c)
         if PERSISTENT:
             for _ in range(rounds):  # the block's items in turn
                 first, end, n_tiles = item_span(b, seqlens, capacity, 0, 1)
