@@ -134,8 +134,9 @@ class BackwardWgmmaConfig:
         return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
-# the producer copies with plain cp.async and issues bulk reductions: a few registers suffice, and every one it
-# gives back lets the computing warpgroups (dQ, dK, dV accumulators and the scores) hold theirs without spilling
+# per thread of the producer, which copies with cp.async and issues the dQ reductions: at 40 its copies spilled
+# and starved the computing warpgroups (1.74x the time); at 56 they spill little, and the computing warpgroups
+# get 224 of the launch's 168 per thread (their dQ, dK, dV accumulators and scores fit with a spill or two)
 BACKWARD_PRODUCER_REGISTERS = 56
 
 
@@ -145,9 +146,9 @@ def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 
 def backward_producer_fits(mods=NO_MODS, varlen=False):
-    """Whether the wgmma backward takes a producer warpgroup for these score modifications and sequences: the
-    computing warpgroups keep few spills at its register share with no modification, a window or sinks (measured
-    faster); with a softcap it measured slower, and ALiBi and packed sequences spill more."""
+    """Whether the wgmma backward takes a producer warpgroup for these score modifications and sequences: with
+    no modification or a window (measured faster; sinks leave the kernel's code as it is without them); with a
+    softcap it measured slower, and ALiBi and packed sequences spill more beside it."""
     return not (mods.softcap or mods.alibi or varlen)
 
 

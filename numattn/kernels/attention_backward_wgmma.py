@@ -220,7 +220,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                     mbarrier_init(bars, EMPTY + stage, CONSUMERS)
                 for buffer in range(DQ_STAGES):
                     mbarrier_init(bars, DQ_FULL + buffer, CONSUMERS)
-                    mbarrier_init(bars, DQ_EMPTY + buffer, 128)
+                    mbarrier_init(bars, DQ_EMPTY + buffer, 128)  # every producer thread
             cuda.syncthreads()
             if wg == GROUPS:
                 shrink_registers(PRODUCER_REGISTERS)
