@@ -10,6 +10,7 @@ from ..kernels.ptx import SW128_ALIGN
 from ..kernels.score_mods import NO_MODS
 from ..kernels.split_merge import CLUSTER_SPLITS, KEY_SPLITS
 from ..kernels.tiles import PAD
+from . import registers
 
 # --------------------------------------------------------------------------
 # CUDA-core (SIMT) kernel: fp32 and what the tensor cores do not take
@@ -205,16 +206,13 @@ class WgmmaConfig:
 
     @property
     def consumer_registers(self):
-        """Registers per thread of a computing warpgroup beside a producer: the block's registers at launch less
-        the producer's (``setmaxnreg`` moves registers within the block; asking for more waits forever)."""
-        pool = self.max_registers * self.num_threads - 128 * PRODUCER_REGISTERS
-        return min(256, pool // (128 * self.warpgroups) // 8 * 8)
+        """Registers per thread of a computing warpgroup beside a producer (``registers.consumer_registers``)."""
+        return registers.consumer_registers(self.num_threads, self.warpgroups, PRODUCER_REGISTERS)
 
     @property
     def max_registers(self):
-        """Registers per thread that let one block fit: each of an SM's four schedulers holds 16K."""
-        warps_per_scheduler = -(-self.num_threads // 128)
-        return min(255, 16384 // (32 * warps_per_scheduler) // 8 * 8)
+        """Registers per thread that let one block fit (``registers.block_registers``)."""
+        return registers.block_registers(self.num_threads)
 
     def register_pressure(self, head_dim, head_dim_v):
         """Registers per thread the kernel asks for, a linear fit to ptxas's counts with two

@@ -8,6 +8,7 @@ from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD, STAGES
 from ..kernels.ptx import SW128_ALIGN
 from ..kernels.score_mods import NO_MODS
 from ..kernels.tiles import PAD
+from . import registers
 
 
 @dataclass(frozen=True)
@@ -111,15 +112,13 @@ class BackwardWgmmaConfig:
 
     @property
     def consumer_registers(self):
-        """Registers per thread of a computing warpgroup beside a producer: the block's registers at launch less
-        the producer's (``setmaxnreg`` moves registers within the block; asking for more waits forever)."""
-        pool = self.max_registers * self.num_threads - 128 * BACKWARD_PRODUCER_REGISTERS
-        return min(256, pool // (128 * self.warpgroups) // 8 * 8)
+        """Registers per thread of a computing warpgroup beside a producer (``registers.consumer_registers``)."""
+        return registers.consumer_registers(self.num_threads, self.warpgroups, BACKWARD_PRODUCER_REGISTERS)
 
     @property
     def max_registers(self):
-        """The registers per thread a block of ``num_threads`` threads may start with."""
-        return min(255, 65536 // self.num_threads // 8 * 8)
+        """Registers per thread that let one block fit (``registers.block_registers``)."""
+        return registers.block_registers(self.num_threads)
 
     def fits(self, head_dim):
         """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""
