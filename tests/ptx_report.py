@@ -183,8 +183,10 @@ def main():
 
 
 def linked_resources(kernel, signature):
-    """``(registers, spill store bytes, spill load bytes)`` of ``kernel`` compiled as numba does on an sm_90 GPU:
-    LTO-IR from NVVM for compute_90a, linked by nvJitLink for sm_90a under the kernel's register limit."""
+    """``(registers, spill store bytes, spill load bytes, wgmma serialized)`` of ``kernel`` compiled as numba does
+    on an sm_90 GPU: LTO-IR from NVVM for compute_90a, linked by nvJitLink for sm_90a under the kernel's register
+    limit. ``wgmma serialized``: ptxas waits for each wgmma before issuing the next (its C7512 performance
+    warning), as it does when the registers cannot hold the products in flight."""
     from cuda.bindings import nvjitlink
 
     ltoir, _ = cuda.compile(kernel.py_func, signature, device=False, cc=(9, 0, "a"), opt=True, abi="numba",
@@ -203,17 +205,17 @@ def linked_resources(kernel, signature):
     log = log.decode(errors="replace")
     registers = re.search(r"Used (\d+) registers", log)
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
-    return int(registers.group(1)), int(stores), int(loads)
+    return int(registers.group(1)), int(stores), int(loads), "C7512" in log
 
 
 def resources():
     from numba.cuda.cudadrv import nvvm
 
     print(f"NVVM {'.'.join(map(str, nvvm.NVVM().get_version()))}, sm_90a, link-time optimised")
-    print(f"{'kernel':40} {'registers':>9} {'spill stores':>12} {'spill loads':>11}")
+    print(f"{'kernel':40} {'registers':>9} {'spill stores':>12} {'spill loads':>11} {'wgmma serialized':>16}")
     for name, kernel, signature in (*variants(), *training_and_mla_variants()):
-        registers, stores, loads = linked_resources(kernel, signature)
-        print(f"{name:40} {registers:9d} {stores:12d} {loads:11d}", flush=True)
+        registers, stores, loads, serialized = linked_resources(kernel, signature)
+        print(f"{name:40} {registers:9d} {stores:12d} {loads:11d} {'yes' if serialized else 'no':>16}", flush=True)
 
 
 if __name__ == "__main__":

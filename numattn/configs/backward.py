@@ -133,10 +133,11 @@ class BackwardWgmmaConfig:
         return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
-# per thread of the producer, which copies with cp.async and issues the dQ reductions: at 40 its copies spilled
-# and starved the computing warpgroups (1.74x the time); at 56 they spill little, and the computing warpgroups
-# get 224 of the launch's 168 per thread (their dQ, dK, dV accumulators and scores fit with a spill or two)
-BACKWARD_PRODUCER_REGISTERS = 56
+# per thread of the producer, which copies with cp.async and issues the dQ reductions. The computing warpgroups
+# take the rest: at 224 (a producer of 56) ptxas serialises their wgmma (each waited for before the next is
+# issued), at 232 (40) it does not, and the producer's extra spills cost less than that (H200, causal bf16 D128:
+# backward 0.95-0.97 of the time at 56)
+BACKWARD_PRODUCER_REGISTERS = 40
 
 
 def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
