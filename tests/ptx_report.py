@@ -159,7 +159,7 @@ def training_and_mla_variants():
             config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
                    backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
-    config = choose_backward_wgmma_config(128, 128, limits["max_shared"], EVERY_MOD)
+    config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward)
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"], varlen=True)

@@ -120,16 +120,14 @@ def test_warpgroup_gradients(producer, monkeypatch):
 
 
 def test_backward_producer_where_it_fits():
-    """At head dim 128 the wgmma backward's default has a producer warpgroup, except with a softcap, ALiBi or
-    packed sequences; other head dims have one warpgroup and none."""
+    """At head dim 128 the wgmma backward's default has a producer warpgroup (with every score modification),
+    not with packed sequences; other head dims have one warpgroup and none."""
     from numattn.configs.backward import choose_backward_wgmma_config
-    from numattn.kernels.score_mods import ScoreMods
 
-    def producer(head_dim=128, varlen=False, **mods):
-        return choose_backward_wgmma_config(head_dim, head_dim, 227 * 1024, ScoreMods(**mods), varlen).producer
+    def producer(head_dim=128, varlen=False):
+        return choose_backward_wgmma_config(head_dim, head_dim, 227 * 1024, varlen).producer
 
-    assert producer() and producer(window=True) and producer(sinks=True)
-    assert not producer(softcap=True) and not producer(alibi=True) and not producer(varlen=True)
+    assert producer() and not producer(varlen=True)
     assert not producer(head_dim=64)
 
 
