@@ -279,6 +279,24 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_shared_pair_loads(rng, where):
+    """``ld_shared_v2_f32`` reads the two float32 at its row and column of a shared tile."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+
+    from warp_kernels import shared_pairs_kernel
+
+    values = rng.standard_normal((2, 64)).astype(np.float32)
+    out = cuda.to_device(np.full((64, 2), np.nan, np.float32))
+    shared_pairs_kernel[1, 32](cuda.to_device(values), out)
+    lanes = np.arange(64) % 32
+    columns = 2 * (lanes // 2) + 32 * (np.arange(64) // 32)
+    expected = np.stack([values[lanes % 2, columns], values[lanes % 2, columns + 1]], axis=1)
+    assert np.array_equal(out.copy_to_host(), expected)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_shared_word_stores_and_chunk_copies(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")

@@ -26,6 +26,7 @@ from numattn.kernels.ptx import (
     fence_proxy_async,
     fence_registers,
     global_address,
+    ld_shared_v2_f32,
     ldmatrix_x4,
     ldmatrix_x4_trans,
     load_l2_f32,
@@ -176,6 +177,21 @@ def staging_kernel(words, out):
     if 2 <= lane < 16:
         copy_16_to_global(out, (lane // 2, 16 + 8 * (lane % 2)), tile, lane // 2, 8 * (lane % 2))
 
+
+@cuda.jit
+def shared_pairs_kernel(values, out):
+    """``values`` (2 × 64 float32) into a shared tile by plain stores; then lane l reads the pair at row
+    ``l % 2``, columns ``2 (l // 2)`` and ``+ 1`` (``ld_shared_v2_f32``) into ``out[l]``, and the pair 32
+    columns on into ``out[32 + l]``."""
+    tile = cuda.shared.array((2, 64), float32)
+    lane = cuda.threadIdx.x
+    for c in range(lane, 128, 32):
+        tile[c // 64, c % 64] = values[c // 64, c % 64]
+    cuda.syncthreads()
+    for step in range(2):
+        pair = ld_shared_v2_f32(tile, lane % 2, 2 * (lane // 2) + 32 * step)
+        out[32 * step + lane, 0] = pair[0]
+        out[32 * step + lane, 1] = pair[1]
 
 
 @cuda.jit

@@ -38,6 +38,7 @@ from .ptx import (
     cp_async_commit,
     cp_async_wait_group,
     ex2_approx,
+    ld_shared_v2_f32,
     mma_m16n8k16_bf16,
     mma_m16n8k16_f16,
     pack_bf16x2,
@@ -84,40 +85,43 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
         cap_log2, cap_slope, slope_log2)``). When ``masked``, keys past the end, after a query's causal
         diagonal or outside its window get P = 0."""
         offset = float32(m0 + diagonal + 2 * t) - float32(key0 + g)  # ALiBi's distances, as in the forward
-        # two passes: with the mask test inside, every tile would run it as predicated code
+        # two passes: with the mask test inside, every tile would run it as predicated code. Entries e and e + 2
+        # share query column 8n + 2t + e % 2: each n8 tile loads its two columns' lse2 and delta once.
         if masked:
             for n in range(MTILES):
+                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
                 for e in range(4):
-                    col = 8 * n + 2 * t + e % 2
+                    lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
                     key = key0 + g + 8 * (e // 2)
-                    position = m0 + col + diagonal
+                    position = m0 + 8 * n + 2 * t + e % 2 + diagonal
                     visible = key < seqlen_kv and not (CAUSAL and key > position)
                     if WINDOW:
                         visible = visible and position - terms[0] <= key <= position + terms[1]
                     if ELEMENTWISE:  # a masked score may be anything: the gradient is selected, not scaled
                         distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
-                        p, ds = gradient(s[0, n, e] * scale_log2, dp[0, n, e], rows[0, col], rows[1, col], distance,
-                                         terms)
+                        p, ds = gradient(s[0, n, e] * scale_log2, dp[0, n, e], lse2, delta, distance, terms)
                         s[0, n, e] = p if visible else _ZERO
                         dp[0, n, e] = ds if visible else _ZERO
                     else:
-                        p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col]) if visible else _ZERO
+                        p = ex2_approx(s[0, n, e] * scale_log2 - lse2) if visible else _ZERO
                         s[0, n, e] = p
-                        dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
+                        dp[0, n, e] = p * (dp[0, n, e] - delta)
         elif ELEMENTWISE:
             for n in range(MTILES):
+                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
                 for e in range(4):
-                    col = 8 * n + 2 * t + e % 2
+                    lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
                     distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
-                    s[0, n, e], dp[0, n, e] = gradient(s[0, n, e] * scale_log2, dp[0, n, e], rows[0, col],
-                                                       rows[1, col], distance, terms)
+                    s[0, n, e], dp[0, n, e] = gradient(s[0, n, e] * scale_log2, dp[0, n, e], lse2, delta, distance,
+                                                       terms)
         else:  # written out, not through ``gradient``: the bf16 D128 wgmma kernel then spills 4 bytes fewer
             for n in range(MTILES):
+                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
                 for e in range(4):
-                    col = 8 * n + 2 * t + e % 2
-                    p = ex2_approx(s[0, n, e] * scale_log2 - rows[0, col])
+                    lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
+                    p = ex2_approx(s[0, n, e] * scale_log2 - lse2)
                     s[0, n, e] = p
-                    dp[0, n, e] = p * (dp[0, n, e] - rows[1, col])
+                    dp[0, n, e] = p * (dp[0, n, e] - delta)
 
     @cuda.jit(device=True, forceinline=True)
     def store_rows(dst, acc, tiles, b, h, row0, nrows, scale, g, t):

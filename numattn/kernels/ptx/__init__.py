@@ -56,6 +56,7 @@ from .copies import (  # noqa: F401
     cp_async_wait_group,
     f32_from_bits,
     global_address,
+    ld_shared_v2_f32,
     load_16,
     load_l2_f32,
     load_l2_f32x4,

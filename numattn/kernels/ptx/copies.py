@@ -468,6 +468,34 @@ def _st_shared_v2_f32(typingctx, dst, row, col, a, b):
 _bind(st_shared_v2_f32, _st_shared_v2_f32)
 
 
+def ld_shared_v2_f32(src, row, col):
+    """``ld_shared_v2_f32(src, row, col) -> (a, b)``: float32 ``src[row, col]`` and ``src[row, col + 1]``.
+
+    ``src`` is a 2-D shared float32 array, 8-byte aligned there. Emits ``ld.shared.v2.f32`` at a 32-bit
+    shared address, so that loads at constant offsets from one another share its arithmetic.
+    """
+    return np.float32(src[row, col]), np.float32(src[row, col + 1])
+
+
+@intrinsic
+def _ld_shared_v2_f32(typingctx, src, row, col):
+    if not (isinstance(src, types.Array) and src.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        shared = _shared_address(context, builder, sig.args[0], args[0], (args[1], sig.args[1]), (args[2], sig.args[2]))
+        # a side effect and the memory clobber keep the load after the barrier or wait that orders it behind
+        # the writes (asynchronous copies among them)
+        pair = _asm(builder, "ld.shared.v2.f32 {$0, $1}, [$2];", "=f,=f,r,~{memory}",
+                    ir.LiteralStructType([_f32, _f32]), [shared], side_effect=True)
+        return _unpack_struct(context, builder, sig, pair, 2)
+
+    return types.UniTuple(types.float32, 2)(src, row, col), codegen
+
+
+_bind(ld_shared_v2_f32, _ld_shared_v2_f32)
+
+
 def copy_16_to_global(dst, index, src, row, col):
     """``copy_16_to_global(dst, index, src, row, col)``: copy 16 bytes from shared ``src[row, col]`` to global ``dst[index]``.
 
