@@ -39,7 +39,7 @@ SOURCES = {
     "cold-start": "coldstart-h100-2026-11-26",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h200-2026-11-27c",
+    "variants": "variants-h200-2026-11-27d",
     "varlen": "varlen-h100-2026-11-27",
 }
 
