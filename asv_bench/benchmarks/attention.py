@@ -17,6 +17,16 @@ def _cuda_torch():
     return torch
 
 
+VARIANTS = ["causal", "window 1024", "softcap 30", "alibi", "sinks"]
+
+
+def variant_options(variant, per_head):
+    """The score-modification arguments of ``variant`` (one of ``VARIANTS``; every one causal), with the
+    float32 ``per_head`` values (``[heads]``) as ALiBi's slopes (scaled by 0.1) or the sinks' logits."""
+    return {"causal": {}, "window 1024": {"window": (1024, 0)}, "softcap 30": {"softcap": 30.0},
+            "alibi": {"alibi_slopes": per_head * 0.1}, "sinks": {"sinks": per_head}}[variant]
+
+
 class AttentionForward:
     # the last two shapes are the tensor-core targets W5 and W4
     params = (
@@ -49,16 +59,14 @@ class AttentionVariants:
     """Causal bf16 attention with each score modification (``benchmarks/variants.py`` compares them with
     FlexAttention): the cost of each against plain causal attention."""
 
-    params = (["causal", "window 1024", "softcap 30", "alibi", "sinks"],)
+    params = (VARIANTS,)
     param_names = ["variant"]
     unit = "ms"
 
     def setup(self, variant):
         torch = _cuda_torch()
         self.q, self.k, self.v = (torch.randn(4, 16, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        heads = torch.rand(16, device="cuda", dtype=torch.float32)
-        self.options = {"causal": {}, "window 1024": {"window": (1024, 0)}, "softcap 30": {"softcap": 30.0},
-                        "alibi": {"alibi_slopes": heads * 0.1}, "sinks": {"sinks": heads}}[variant]
+        self.options = variant_options(variant, torch.rand(16, device="cuda", dtype=torch.float32))
         numattn.attention(self.q, self.k, self.v, causal=True, **self.options)  # compile outside the timing
 
     def track_numattn_ms(self, variant):
