@@ -1,6 +1,7 @@
 """The compiled-kernel cache on disk: keys, damaged entries, processes sharing it, the off switch.
 (That a kernel loaded from it equals a fresh compile is checked on the GPU, in test_gpu.py.)"""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -177,3 +178,42 @@ def test_cache_info_and_clear_on_the_command_line(cache_dir, capsys):
     assert main(["cache", "clear"]) == 0
     assert "removed 1" in capsys.readouterr().out
     assert kernel_cache.entries() == [] and not list(cache_dir.glob("*.lock"))
+
+
+_CUBIN_SCRIPT = textwrap.dedent("""
+    import sys, types
+    from numba import cuda
+    from numba.cuda import codegen
+    # no GPU here: numba's current device and the code library's target (asked of a context) are sm_90's,
+    # and numba's kernel object is not loaded into a context after its compile
+    cuda.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+    import numba.cuda.dispatcher
+    numba.cuda.dispatcher.get_current_device = cuda.get_current_device
+    numba.cuda.dispatcher._Kernel.bind = lambda self: None
+    ensure_cc = codegen.CUDACodeLibrary._ensure_cc
+    codegen.CUDACodeLibrary._ensure_cc = lambda self, cc: ensure_cc(self, cc or (9, 0, "a"))
+    from numattn.kernels import launch
+    from numattn.ops.backward import _backward_specs
+    spec = _backward_specs("bfloat16", 64, 64, True, None)["rows"]
+    dispatcher = spec.factory(*spec.args)
+    if sys.argv[1] == "numba":  # numba's kernel object, as numba compiles it for a launch
+        library = dispatcher.compile(spec.argtypes)._codelibrary
+        name, cubin = library._entry_name, bytes(library.get_cubin().code)
+    else:
+        entry = launch._compile(dispatcher, spec.argtypes, spec.label)
+        name, cubin = entry.entry_name, entry.cubin
+    sys.stdout.buffer.write(name.encode() + b"\\n" + cubin)
+""")
+
+
+@pytest.mark.ptx
+def test_compile_links_numbas_cubin():
+    """numattn's compile (``launch._compile``: numba's steps without the PTX listing that numba's kernel object
+    makes, a second NVVM run) links the very cubin, entry name included, that numba's kernel object links: each
+    in a fresh process (numba numbers its compiled functions in the order a process compiles them)."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    cubins = [subprocess.run([sys.executable, "-c", _CUBIN_SCRIPT, way], env=env, capture_output=True, timeout=600)
+              for way in ("numba", "numattn")]
+    for done in cubins:
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert len(cubins[0].stdout) > 1000 and cubins[0].stdout == cubins[1].stdout

@@ -113,14 +113,47 @@ class FunctionAttributes(NamedTuple):
                      for name in names))
 
 
+# the options of numba's kernel dispatcher that ``_compile`` follows, and the values of the others it takes
+_FOLLOWED_OPTIONS = ("lineinfo", "fastmath", "forceinline", "max_registers", "lto", "opt")
+_UNFOLLOWED_DEFAULTS = {"debug": (0, False, None), "link": ((), [], None), "extensions": ([], (), None),
+                        "launch_bounds": (None,), "shared_memory_carveout": (None,), "device": (False,),
+                        "inline": ("never",)}
+
+
 def _compile(dispatcher, argtypes, label):
     """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
     the current device (numba's choice of target: sm_90a on sm_90, where wgmma needs it)."""
-    library = dispatcher.compile(argtypes)._codelibrary
+    cc = cuda.get_current_device().compute_capability
+    library, entry_name = _lowered(dispatcher, tuple(argtypes), cc, label)
+    cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
+    return kernel_cache.Entry(label, entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered(dispatcher, argtypes, cc, label):
+    """numba's code library of the kernel and its entry name: the steps of numba's kernel object (``_Kernel``:
+    type and lower, mark the kernel entry) without the PTX listing it makes to look for library functions to
+    link, which numattn's kernels never call (under link-time optimisation, numba's default with nvJitLink,
+    that listing is an NVVM run of its own: an eighth to a sixth of a compile), and without loading the module
+    into numba's own context (numattn loads the cubin itself). Linking the library gives the cubin numba's
+    kernel object links (``tests/test_kernel_cache.py`` holds them equal)."""
+    from numba import types as numba_types
+    from numba.cuda.compiler import compile_cuda, kernel_fixup
+
+    options = dispatcher.targetoptions
+    for name, value in options.items():
+        if name not in _FOLLOWED_OPTIONS and value not in _UNFOLLOWED_DEFAULTS.get(name, ()):
+            raise RuntimeError(f"kernel {label}: numattn's compile does not follow numba's option {name}={value!r}")
+    fastmath = options.get("fastmath", False)
+    result = compile_cuda(dispatcher.py_func, numba_types.void, argtypes, lineinfo=options.get("lineinfo", False),
+                          forceinline=options.get("forceinline", False), fastmath=fastmath,
+                          nvvm_options={"fastmath": fastmath, "opt": 3 if options.get("opt", True) else 0}, cc=cc,
+                          max_registers=options.get("max_registers"), lto=options.get("lto", False))
+    library, entry_name = result.library, result.fndesc.llvm_func_name
+    kernel_fixup(library.get_function(entry_name), False)
     if library._setup_functions:  # module initialisation (numba's NRT) that loading a bare cubin would skip
         raise RuntimeError(f"kernel {label} needs numba's module setup; numattn's loader cannot run it")
-    cubin = library.get_cubin()
-    return kernel_cache.Entry(label, library._entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
+    return library, entry_name
 
 
 class CompiledKernel:
