@@ -135,7 +135,7 @@ class BackwardWgmmaConfig:
 # per thread of the producer, which copies with cp.async and issues the dQ reductions. The computing warpgroups
 # take the rest: at 224 (a producer of 56) ptxas serialises their wgmma (each waited for before the next is
 # issued), at 232 (40) it does not, and the producer's extra spills cost less than that (H200, causal bf16 D128:
-# backward 0.95-0.97 of the time at 56)
+# the backward takes 0.95-0.97 of its time at 56)
 BACKWARD_PRODUCER_REGISTERS = 40
 
 

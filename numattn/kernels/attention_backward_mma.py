@@ -79,17 +79,23 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                 cp_async_16(rows, 1, c, delta, (b, h, m0 + c), 16)
 
     @cuda.jit(device=True, forceinline=True)
+    def column_rows(rows, n, t):
+        """The lse2 pair and the delta pair of query columns ``8n + 2t`` and ``8n + 2t + 1`` (a thread's columns
+        of n8 tile ``n``), each in one 8-byte load."""
+        return ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
+
+    @cuda.jit(device=True, forceinline=True)
     def to_gradients(s, dp, rows, scale_log2, masked, key0, m0, seqlen_kv, diagonal, g, t, terms):
         """Sᵀ into Pᵀ and dPᵀ into dSᵀ, in place, for the warp's keys ``key0 + 0..15`` and the query tile
-        ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta), modified by ``terms`` (``(left, right,
-        cap_log2, cap_slope, slope_log2)``). When ``masked``, keys past the end, after a query's causal
-        diagonal or outside its window get P = 0."""
+        ``m0`` (``rows[0]``, ``rows[1]``: its lse2 and delta, in shared memory), modified by ``terms``
+        (``(left, right, cap_log2, cap_slope, slope_log2)``). When ``masked``, keys past the end, after a
+        query's causal diagonal or outside its window get P = 0."""
         offset = float32(m0 + diagonal + 2 * t) - float32(key0 + g)  # ALiBi's distances, as in the forward
         # two passes: with the mask test inside, every tile would run it as predicated code. Entries e and e + 2
-        # share query column 8n + 2t + e % 2: each n8 tile loads its two columns' lse2 and delta once.
+        # share query column 8n + 2t + e % 2, whose lse2 and delta each n8 tile loads once.
         if masked:
             for n in range(MTILES):
-                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
+                lse2_pair, delta_pair = column_rows(rows, n, t)
                 for e in range(4):
                     lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
                     key = key0 + g + 8 * (e // 2)
@@ -108,7 +114,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                         dp[0, n, e] = p * (dp[0, n, e] - delta)
         elif ELEMENTWISE:
             for n in range(MTILES):
-                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
+                lse2_pair, delta_pair = column_rows(rows, n, t)
                 for e in range(4):
                     lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
                     distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
@@ -116,7 +122,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                                                        terms)
         else:  # written out, not through ``gradient``: the bf16 D128 wgmma kernel then spills 4 bytes fewer
             for n in range(MTILES):
-                lse2_pair, delta_pair = ld_shared_v2_f32(rows, 0, 8 * n + 2 * t), ld_shared_v2_f32(rows, 1, 8 * n + 2 * t)
+                lse2_pair, delta_pair = column_rows(rows, n, t)
                 for e in range(4):
                     lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
                     p = ex2_approx(s[0, n, e] * scale_log2 - lse2)
