@@ -627,8 +627,9 @@ for _ in range(2):
     {call}
     torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
+from numattn.kernels.launch import COMPILES
 print(json.dumps({{"torch_numba_import_s": imported_torch - start, "numattn_import_s": imported - imported_torch,
-                  "first_call_s": times[0], "second_call_s": times[1]}}))
+                  "first_call_s": times[0], "second_call_s": times[1], "compiles": COMPILES}}))
 """
 
 
@@ -650,7 +651,8 @@ def cold_start_run(case, cache):
 def bench_cold_start(cases=tuple(COLD_START_CASES)):
     """Rows of {case, cold, warm, off}: each case's times in three fresh processes, one after another:
     with an empty kernel cache (every kernel compiled and stored), with the cache the first one filled,
-    and with the cache off (compiled again); ``kernels``: how many kernels the case compiled."""
+    and with the cache off (compiled again); ``kernels``: how many kernels the case compiled; each process's
+    ``compiles``: ``(label, seconds)`` of the kernels it compiled itself (with the cache off, every one)."""
     import tempfile
     from pathlib import Path
 
@@ -773,6 +775,8 @@ def main(args):
             print(f"  {row['case']:48} {row['cold']['first_call_s']:7.2f} | {row['warm']['first_call_s']:6.3f} | "
                   f"{row['off']['first_call_s']:7.2f}   {row['kernels']} kernels   second call "
                   f"{row['warm']['second_call_s'] * 1e3:6.2f} ms   import {row['warm']['numattn_import_s']:.2f} s")
+            for label, seconds in row["off"]["compiles"]:  # the cache off: every kernel compiled in the process
+                print(f"      {seconds:6.2f} s  {label}")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

@@ -202,6 +202,7 @@ _CUBIN_SCRIPT = textwrap.dedent("""
     else:
         entry = launch._compile(dispatcher, spec.argtypes, spec.label)
         name, cubin = entry.entry_name, entry.cubin
+        assert [label for label, _ in launch.COMPILES] == [spec.label]  # each compile is timed
     sys.stdout.buffer.write(name.encode() + b"\\n" + cubin)
 """)
 
@@ -210,7 +211,8 @@ _CUBIN_SCRIPT = textwrap.dedent("""
 def test_compile_links_numbas_cubin():
     """numattn's compile (``launch._compile``: numba's steps without the PTX listing that numba's kernel object
     makes, a second NVVM run) links the very cubin, entry name included, that numba's kernel object links: each
-    in a fresh process (numba numbers its compiled functions in the order a process compiles them)."""
+    in a fresh process (numba numbers its compiled functions in the order a process compiles them). The compile
+    is listed in ``launch.COMPILES``."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     cubins = [subprocess.run([sys.executable, "-c", _CUBIN_SCRIPT, way], env=env, capture_output=True, timeout=600)
               for way in ("numba", "numattn")]

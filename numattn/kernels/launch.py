@@ -18,6 +18,7 @@ import functools
 import struct
 import sys
 import threading
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -94,6 +95,9 @@ def zero_words(ptr, words, stream):
 LOADED = []
 """Every ``CompiledKernel`` loaded in this process, for resource reports."""
 
+COMPILES = []
+"""``(label, seconds)`` of every kernel this process compiled (typing and lowering, NVVM, link), in order."""
+
 
 class FunctionAttributes(NamedTuple):
     """A loaded kernel's resources: registers per thread, static shared, local (spill) and constant
@@ -123,9 +127,11 @@ _UNFOLLOWED_DEFAULTS = {"debug": (0, False, None), "link": ((), [], None), "exte
 def _compile(dispatcher, argtypes, label):
     """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
     the current device (numba's choice of target: sm_90a on sm_90, where wgmma needs it)."""
+    start = time.perf_counter()
     cc = cuda.get_current_device().compute_capability
     library, entry_name = _lowered(dispatcher, tuple(argtypes), cc, label)
     cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
+    COMPILES.append((label, time.perf_counter() - start))
     return kernel_cache.Entry(label, entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
 
 
