@@ -159,6 +159,8 @@ def _lowered(dispatcher, argtypes, cc, label):
     kernel_fixup(library.get_function(entry_name), False)
     if library._setup_functions:  # module initialisation (numba's NRT) that loading a bare cubin would skip
         raise RuntimeError(f"kernel {label} needs numba's module setup; numattn's loader cannot run it")
+    if library.use_cooperative:  # a grid sync: numba would link the device runtime and launch it cooperatively
+        raise RuntimeError(f"kernel {label} synchronises its grid; numattn's compile and launch do not")
     return library, entry_name
 
 
