@@ -670,10 +670,26 @@ def bench_cold_start(cases=tuple(COLD_START_CASES)):
     return rows
 
 
+def package_digest(package=None):
+    """The first 16 hex digits of a SHA-256 over the package's Python sources (``numattn``'s, by default): the
+    code a run measured, whatever git says of the checkout it ran from (a copy's metadata can lag its files).
+    ``git archive REV numattn`` of the revision that holds the same files gives the same digest."""
+    import hashlib
+    from pathlib import Path
+
+    import numattn
+
+    package = Path(package or Path(numattn.__file__).parent)
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def run_facts(torch):
     """What a stored result needs beside its numbers: the date, the command, the GPU, numattn's version and
-    the source revision it ran (``git describe`` where the package sits in a git checkout), the versions
-    of torch, CUDA, numba and numba-cuda."""
+    the source revision it ran (``git describe`` where the package sits in a git checkout) with the digest
+    of its sources (``package_digest``), the versions of torch, CUDA, numba and numba-cuda."""
     import datetime
     import subprocess
     import sys
@@ -692,6 +708,7 @@ def run_facts(torch):
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.executable).name, *program, *sys.argv[1:]]),
             "gpu": torch.cuda.get_device_name(), "numattn": numattn.__version__, "revision": revision,
+            "sources": package_digest(),
             "torch": torch.__version__,
             "cuda": torch.version.cuda, "numba": metadata.version("numba"), "numba-cuda": metadata.version("numba-cuda")}
 

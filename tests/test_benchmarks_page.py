@@ -45,3 +45,19 @@ def test_stored_results_carry_their_run():
         run = json.loads(path.read_text())["run"]
         assert RUN_FACTS <= set(run), f"{path.name} lacks {sorted(RUN_FACTS - set(run))}"
         assert run["date"] and run["revision"], path.name
+
+
+def test_a_run_names_the_sources_it_measured(tmp_path):
+    """``run_facts`` records a digest of numattn's sources beside the git revision (a copy of a checkout can
+    carry stale git metadata): the same files give the same digest, any change to one another."""
+    import shutil
+
+    import numattn
+    from numattn.bench import package_digest
+
+    copy = tmp_path / "numattn"
+    shutil.copytree(Path(numattn.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    digest = package_digest(copy)
+    assert re.fullmatch(r"[0-9a-f]{16}", digest) and digest == package_digest()
+    (copy / "kernels" / "launch.py").write_text((copy / "kernels" / "launch.py").read_text() + "\n")
+    assert package_digest(copy) != digest
