@@ -173,7 +173,7 @@ def choose_mma_config(head_dim, head_dim_v, max_shared_bytes, simulator=False):
 # --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class WgmmaConfig:
+class WgmmaConfig(registers.WarpgroupBlock):
     """Tile configuration of the wgmma kernel.
 
     ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
@@ -196,23 +196,9 @@ class WgmmaConfig:
         return 64 * self.warpgroups
 
     @property
-    def num_threads(self):
-        return 128 * (self.warpgroups + self.producer)
-
-    @property
     def producer_registers(self):
         """Registers per thread of the copying warpgroup."""
         return PRODUCER_REGISTERS
-
-    @property
-    def consumer_registers(self):
-        """Registers per thread of a computing warpgroup beside a producer (``registers.consumer_registers``)."""
-        return registers.consumer_registers(self.num_threads, self.warpgroups, PRODUCER_REGISTERS)
-
-    @property
-    def max_registers(self):
-        """Registers per thread that let one block fit (``registers.block_registers``)."""
-        return registers.block_registers(self.num_threads)
 
     def register_pressure(self, head_dim, head_dim_v):
         """Registers per thread the kernel asks for, a linear fit to ptxas's counts with two

@@ -78,7 +78,7 @@ def choose_backward_config(head_dim, head_dim_v, max_shared_bytes, simulator=Fal
 
 
 @dataclass(frozen=True)
-class BackwardWgmmaConfig:
+class BackwardWgmmaConfig(registers.WarpgroupBlock):
     """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
     shared-memory buffers for the dQ tiles on their way to the float32 accumulator. ``producer``: one more
     warpgroup copies the query tiles and adds the dQ tiles, with ``BACKWARD_PRODUCER_REGISTERS`` registers
@@ -101,23 +101,9 @@ class BackwardWgmmaConfig:
         return BLOCK_M
 
     @property
-    def num_threads(self):
-        return 128 * (self.warpgroups + self.producer)
-
-    @property
     def producer_registers(self):
         """Registers per thread of the producer warpgroup."""
         return BACKWARD_PRODUCER_REGISTERS
-
-    @property
-    def consumer_registers(self):
-        """Registers per thread of a computing warpgroup beside a producer (``registers.consumer_registers``)."""
-        return registers.consumer_registers(self.num_threads, self.warpgroups, BACKWARD_PRODUCER_REGISTERS)
-
-    @property
-    def max_registers(self):
-        """Registers per thread that let one block fit (``registers.block_registers``)."""
-        return registers.block_registers(self.num_threads)
 
     def fits(self, head_dim):
         """Whether the warpgroups divide dQ's head-dim columns into whole 64-column panels."""

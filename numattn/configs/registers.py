@@ -15,3 +15,22 @@ def consumer_registers(num_threads, warpgroups, producer_registers):
     within the block; asking for more waits forever)."""
     pool = block_registers(num_threads) * num_threads - 128 * producer_registers
     return min(256, pool // (128 * warpgroups) // 8 * 8)
+
+
+class WarpgroupBlock:
+    """Threads and register budgets of a block of ``warpgroups`` computing warpgroups and, with ``producer``,
+    one more that copies (the wgmma configurations derive from it and name their ``producer_registers``)."""
+
+    @property
+    def num_threads(self):
+        return 128 * (self.warpgroups + self.producer)
+
+    @property
+    def consumer_registers(self):
+        """Registers per thread of a computing warpgroup beside a producer (``consumer_registers``)."""
+        return consumer_registers(self.num_threads, self.warpgroups, self.producer_registers)
+
+    @property
+    def max_registers(self):
+        """Registers per thread that let one block fit (``block_registers``)."""
+        return block_registers(self.num_threads)
