@@ -29,14 +29,14 @@ BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated --
 # the results file (in benchmarks/results/, without .json) that feeds each generated block: for each
 # section the most recent run that covers it
 SOURCES = {
-    "attention": "bench-h100-table-2026-11-22",
+    "attention": "bench-h200-2026-11-27",
     "decode-h200": "bench-h200-2026-11-24d",
     "decode-h100": "bench-h100-2026-11-24f",
     "mla": "bench-h100-2026-11-24c",
-    "training": "training-h100-2026-11-23",
+    "training": "bench-h200-2026-11-27",
     "graph": "graph-h200-2026-11-26",
     "checked": "bench-h200-2026-11-26",
-    "cold-start": "coldstart-h100-2026-11-26",
+    "cold-start": "coldstart-h200-2026-11-27",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h200-2026-11-27d",
@@ -151,12 +151,14 @@ def best_sdpa(row, suffix):
 
 def block_attention(data):
     peak = data["matmul_tflops"]
-    rows = [[attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]), pct(r["numattn_tflops"] / peak, 1),
-             num(r.get("flash_ms"), 3), pct(r["flash_ms"] / r["numattn_ms"]) if r.get("flash_ms") else "n/a",
-             num(r.get("cudnn_tflops") if r.get("cudnn_ms") else None), num(r.get("efficient_tflops"))]
-            for r in data["attention"]]
-    lines = table(["workload", "numattn ms", "TFLOP/s", f"of peak ({peak:.0f})", "SDPA flash ms", "numattn / flash",
-                   "cuDNN TFLOP/s", "efficient TFLOP/s"], rows)
+    rows = []
+    for r in data["attention"]:
+        backend, best = best_sdpa(r, "ms") if any(r.get(f"{b}_ms") for b in BACKENDS) else (None, None)
+        rows.append([attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]),
+                     pct(r["numattn_tflops"] / peak, 1), num(r.get("flash_ms"), 3), num(r.get("cudnn_ms"), 3),
+                     f"{pct(best / r['numattn_ms'])} ({backend})" if best else "n/a"])
+    lines = table(["workload", "numattn ms", "TFLOP/s", f"of peak ({peak:.0f})", "SDPA flash ms", "SDPA cuDNN ms",
+                   "best SDPA time / numattn's"], rows)
     goals = [r for r in data["attention"] if (tuple(r["shape"]), r["dtype"]) in
              {((4, 32, 4096, 128), "bfloat16"), ((8, 16, 2048, 64), "float16")}]
     ratios = [(attention_workload(r), r["flash_ms"] / r["numattn_ms"]) for r in goals]
@@ -241,23 +243,17 @@ def block_mla(data):
 
 
 def block_training(data):
-    runs = data["training_runs"]
     rows = []
-    for first, second in zip(runs[0], runs[1], strict=True):
-        both = (first, second)
-        rows.append([attention_workload(first)] + [" / ".join(num(r[key], 2) for r in both) for key in
-                                                    ("numattn_ms", "flash_ms", "cudnn_ms")]
-                    + [" / ".join(pct(r["flash_ms"] / r["numattn_ms"]) for r in both),
-                       " / ".join(num(r["numattn_fwd_ms"], 2) for r in both)])
-    lines = table(["workload", "numattn ms (run 1 / 2)", "SDPA flash ms", "SDPA cuDNN ms", "numattn / flash",
-                   "numattn forward alone, ms"], rows)
-    goal = [(r["flash_ms"] / r["numattn_ms"]) for run in runs for r in run
+    for r in data["training"]:
+        backend, best = best_sdpa(r, "ms")
+        rows.append([attention_workload(r), num(r["numattn_ms"], 3), num(r["numattn_tflops"]), num(r["flash_ms"], 3),
+                     num(r["cudnn_ms"], 3), pct(r["flash_ms"] / r["numattn_ms"]), f"{pct(best / r['numattn_ms'])} ({backend})",
+                     num(r["numattn_fwd_ms"], 3)])
+    lines = table(["workload", "numattn ms", "TFLOP/s", "SDPA flash ms", "SDPA cuDNN ms", "flash's time / numattn's",
+                   "best SDPA time / numattn's", "numattn forward alone, ms"], rows)
+    goal = [r["flash_ms"] / r["numattn_ms"] for r in data["training"]
             if tuple(r["shape"]) == (4, 32, 4096, 128) and r["causal"]]
-    rounds = data["alternating_with_flash"]["causal"]
-    alternating = [f / n for n, f in zip(rounds["numattn_ms"], rounds["flash_ms"], strict=True)]
-    lines += ["", target(f"B4 H32 L4096 D128 bf16 causal at least SDPA flash's speed: {' / '.join(pct(x) for x in goal)} "
-                         f"in the two runs, {pct(min(alternating))}–{pct(max(alternating))} in {len(alternating)} "
-                         "rounds alternating with flash", min(goal + alternating) >= 1)]
+    lines += ["", target(f"B4 H32 L4096 D128 bf16 causal at least SDPA flash's speed ({pct(goal[0])})", goal[0] >= 1)]
     return lines
 
 
@@ -299,19 +295,19 @@ def block_checked(data):
 
 
 def block_cold_start(data):
-    run = data["runs"][-1]
     rows = []
-    for r in run["cold_start"]:
+    for r in data["cold_start"]:
         rows.append([COLD_START.get(r["case"], r["case"]), num(r["cold"]["first_call_s"], 2),
                      num(r["warm"]["first_call_s"], 3), num(r["off"]["first_call_s"], 2),
                      f"{r['warm']['second_call_s'] * 1e3:.2f} ms", num(r["warm"]["numattn_import_s"], 2)])
     lines = table(["first call, s", "kernel cache empty", "filled", "off", "second call", "import of numattn, s"], rows)
-    ours = [r for r in run["cold_start"] if not r["case"].startswith("torch")]
+    ours = [r for r in data["cold_start"] if not r["case"].startswith("torch")]
     filled = [r["warm"]["first_call_s"] for r in ours]
     imports = [r[k]["numattn_import_s"] for r in ours for k in ("cold", "warm", "off")]
     attention = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("attention")]
     decode = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("decode")]
-    steps = run["gqa_transformer_300_steps_s"]
+    compiles = [seconds for r in ours if r["case"].startswith(("attention", "decode")) for _, seconds in r["off"]["compiles"]]
+    steps = data["gqa_transformer_300_steps_s"]
     ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
     lines += ["", f"`examples/gqa_transformer.py --steps 300`: {steps['cache empty']['numattn']} s with the cache empty "
                   f"(SDPA {steps['cache empty']['sdpa']} s), {steps['cache filled']['numattn']} s with it filled "
@@ -320,10 +316,9 @@ def block_cold_start(data):
                      max(filled) <= 1),
               target(f"`import numattn` ≤ 1 s on top of torch and numba ({min(imports):.2f}–{max(imports):.2f} s)",
                      max(imports) <= 1),
-              target(f"a first-ever compile ≤ 5 s per attention kernel (one kernel per call: "
-                     f"{min(attention):.2f}–{max(attention):.2f} s)", max(attention) <= 5),
-              target(f"the same for decode ({max(decode):.2f} s for the call; its kernel count was not recorded)",
-                     max(decode) <= 5),
+              target(f"a first-ever compile ≤ 5 s per attention or decode kernel (the calls' first times above, "
+                     f"{min(attention + decode):.2f}–{max(attention + decode):.2f} s; their kernels' compiles with the "
+                     f"cache off {min(compiles):.2f}–{max(compiles):.2f} s)", max(attention + decode) <= 5),
               target(f"the example's 300 steps with the cache filled within 1.5× SDPA's time ({ratio:.2f}×)", ratio <= 1.5)]
     return lines
 
