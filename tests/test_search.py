@@ -187,8 +187,9 @@ def test_tutorial_on_gpu_with_torch(tmp_path, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_key_split_attention_plans_match_reference(rng, causal, transposed):
-    """The mma.sync kernel over runs of keys, merged by the combine kernel (a search candidate), with K
-    stored as rows of keys or transposed (keys contiguous, read by runs of 8 keys: 75 keys end mid-run)."""
+    """The mma.sync kernel over runs of keys, merged by each query tile's last block (a search candidate), with
+    K stored as rows of keys or transposed (keys contiguous, read by runs of 8 keys: 75 keys end mid-run); five
+    splits take the merge's rounds of four splits twice."""
     from numattn.configs.attention import MmaConfig
     from numattn.ops.attention import make_plan, validate
 
@@ -199,7 +200,7 @@ def test_key_split_attention_plans_match_reference(rng, causal, transposed):
         k = rng.uniform(-1, 1, (1, 1, 75, 32)).astype(np.float16)
     v = rng.uniform(-1, 1, (1, 1, 75, 16)).astype(np.float16)
     config = MmaConfig(block_n=16, num_warps=1)
-    for splits in (1, 3):  # 5 key tiles: one run; runs of 2, 2 and 1 tiles
+    for splits in (1, 3, 5):  # 5 key tiles: one run; runs of 2, 2 and 1 tiles; a tile each
         problem = validate(q, k, v, None, causal, 0.3, "bhsd", True)
         assert problem.transposed_k_loads == transposed
         o, lse = make_plan(problem, config, splits)(q, k, v, None)

@@ -45,7 +45,14 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
-from .split_merge import cluster_merger, cluster_stage_cols, last_to_finish, release_counter, split_merger
+from .split_merge import (
+    SPLIT_ATTENTION_MERGE,
+    cluster_merger,
+    cluster_stage_cols,
+    last_to_finish,
+    release_counter,
+    split_merger,
+)
 from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -107,7 +114,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype,
                                                                             mods=mods)
     store_partial = partial_store(WARP_M, DTILES, staged=CLUSTER)
-    merge_splits = split_merger(dtype, DV, None, write_lse)
+    merge_splits = split_merger(dtype, DV, None, write_lse, SPLIT_ATTENTION_MERGE)
     merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)

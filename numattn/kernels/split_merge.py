@@ -19,7 +19,8 @@ _ZERO = np.float32(0.0)
 MERGE_THREADS = 128  # threads of a merge_kernel block
 
 MAX_SPLITS = 64  # key splits per row at most
-MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together
+MERGE_SPLITS = 16  # splits whose partials of one thread's outputs the merge loads together (decode's many splits)
+SPLIT_ATTENTION_MERGE = 4  # the same for an attention launch's few splits (2 to 16): fewer loads repeat the last
 KEY_SPLITS = (2, 4, 8, 16)  # key splits offered to tuners with the tensor-core kernels and decode
 CLUSTER_SPLITS = 8  # key splits a cluster merges at most: the portable cluster size
 _STAGE_PAD = 8  # floats added to a staged row: a warp's 8-byte stores of accumulator pairs miss no bank twice
@@ -109,7 +110,7 @@ def split_folding(splits, quad, dtype, write_lse):
     return fold, finish
 
 
-def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
+def split_merger(dtype, head_dim_v, seqlen_q, write_lse, round_splits=MERGE_SPLITS):
     """Device function ``merge_splits(o_part, lse_part, o, lse, b, first_head, first_row, n_rows)``:
     the output (and natural-log LSE) of ``n_rows`` rows from every split's fp32 partial output
     and log2-sum-exp; every thread of the block takes part.
@@ -121,7 +122,7 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
 
     Each thread merges four adjacent outputs of a row on its own (one 16-byte load per
     split where the head dim is a multiple of 4, else one output): an online softmax
-    over the splits' log2-sum-exps, ``MERGE_SPLITS`` splits per round with every load
+    over the splits' log2-sum-exps, ``round_splits`` splits per round with every load
     of the round (log-sum-exps and partials) in flight at once. A split's NaN log-sum-exp (it
     saw a NaN score) makes the row NaN, output and LSE. Indices are unsigned:
     numba then emits neither negative-index wrapping nor floor-division fix-ups, which
@@ -130,11 +131,11 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
     U = np.uint64  # every index unsigned and 64-bit: mixed with signed ones numba would widen to float
     ONE_HEAD = seqlen_q is None
     SQ = U(1 if ONE_HEAD else seqlen_q)
-    SPLITS, ONE = U(MERGE_SPLITS), U(1)
+    ROUND, SPLITS, ONE = round_splits, U(round_splits), U(1)
     QUAD = 4 if head_dim_v % 4 == 0 else 1  # outputs per load: one 16-byte load where a row holds whole quads
     QUADS_PER_ROW, QUAD_COLS = U(head_dim_v // QUAD), U(QUAD)
     load_quad = load_l2_f32x4 if QUAD == 4 else _load_l2_f32_tuple
-    fold, finish = split_folding(MERGE_SPLITS, QUAD, dtype, write_lse)
+    fold, finish = split_folding(ROUND, QUAD, dtype, write_lse)
 
     @cuda.jit(device=True, forceinline=True)
     def row_head(first_head, first_row, r):
@@ -147,8 +148,8 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
         ub, first_head, first_row, n_rows = uint64(b), uint64(head0), uint64(row0), uint64(rows_here)
         tid, step = uint64(cuda.threadIdx.x), uint64(cuda.blockDim.x)
         splits = uint64(lse_part.shape[3])
-        logs = cuda.local.array(MERGE_SPLITS, float32)
-        values = cuda.local.array((MERGE_SPLITS, QUAD), float32)
+        logs = cuda.local.array(ROUND, float32)
+        values = cuda.local.array((ROUND, QUAD), float32)
         acc = cuda.local.array(QUAD, float32)
         for quad in range(tid, n_rows * QUADS_PER_ROW, step):
             r, col = quad // QUADS_PER_ROW, quad % QUADS_PER_ROW * QUAD_COLS
@@ -159,7 +160,7 @@ def split_merger(dtype, head_dim_v, seqlen_q, write_lse):
             for s0 in range(U(0), splits, SPLITS):
                 # through L2: other blocks of this launch wrote them; past the last split, loads repeat
                 # it and its log-sum-exp becomes -inf (weight 0)
-                for u in range(MERGE_SPLITS):
+                for u in range(ROUND):
                     split = min(s0 + uint64(u), splits - ONE)
                     log = load_l2_f32(lse_part, (ub, h, i, split))
                     logs[u] = log if s0 + uint64(u) < splits else _NEG_INF
