@@ -48,8 +48,14 @@ of this one. ``128 / block_n`` threads of a copying warpgroup share a latent
 row, so a thread looks up one page per tile, a tile ahead
 (stepping through its page-table entries without dividing: ``next_row``),
 and copies from its row's address plus constants.
-"""
 
+Each schedule is written once, by its own builder. ``duplicated_schedule`` and ``shared_schedule`` give
+their tile loops and the handover of the rows' final statistics to the ordinary grid's item
+(``grid_item``); ``persistent_schedule`` runs items of its own on the persistent grid; the two shared ones
+share their tile loop (``shared_parts``). The steps that every schedule takes (the copy streams, the Q
+tile's loads, the score and ``P V`` products, the softmax of a tile, the write-out) come from
+``mla_wgmma_steps.kernel_steps``, and ``block_kernel`` runs a schedule over a block's items.
+"""
 
 import functools
 from typing import NamedTuple
@@ -57,19 +63,7 @@ from typing import NamedTuple
 from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
-from .mla_wgmma_steps import (
-    _ZERO,
-    ALPHA,
-    FLAGS,
-    GROUPS,
-    HEADS_PER_BLOCK,
-    L_FINAL,
-    M_FINAL,
-    PERSISTENT_HEADS,
-    STAGED,
-    THREADS,
-    kernel_steps,
-)
+from .mla_wgmma_steps import GROUPS, HEADS_PER_BLOCK, PERSISTENT_HEADS, STAGED, THREADS, kernel_steps
 from .online_softmax import quad_sum
 from .ptx import (
     SW128_ALIGN,
@@ -90,9 +84,18 @@ TURN = 1  # the duplicated schedule's named barriers TURN + w: warpgroup w may i
 
 
 class Schedule(NamedTuple):
-    """A schedule's part of the kernel (``block_kernel``): its mbarriers (``barriers`` of them, set up by
-    ``init_barriers(bars)``), its first step once the block's first copies are under way (``begin(group)``)
-    and its ``process_item``, which takes one item of the block from its first tile to its output rows."""
+    """A schedule's part of the kernel (``block_kernel``): ``barriers`` mbarriers, set up by thread 0 in
+    ``init_barriers(bars)``; ``begin(group)``, its first step once the block's first copies are under way;
+    and ``process_item(smem, view, bars, start, stats, inputs, outputs, scale_log2, heads, items, walk, b, c,
+    first, end, n_tiles, stream, state, regs, me)``, one item of the block: sequence ``b``'s keys ``first ..
+    end`` (``n_tiles`` tiles) against head chunk ``c``, from the ring as the copy stream fills it (``stream``,
+    refilled as tiles free up) to the output rows. ``state`` is the ring and handover position ``(stage,
+    parity, prev_stage, prev_parity, tiles of earlier items, earlier items with keys, the last item whose Q
+    was loaded)``: tile j sits in ring ``stage``, in its ``parity``-th use (mod 2), no runtime divisions.
+    ``inputs`` and ``outputs`` are the kernel's array arguments (``q_nope .. seqlens``, ``o .. lse_part``),
+    ``regs`` the thread's softmax state, accumulator, scores, P fragments and row statistics, ``me`` its place
+    in the block. Returns the stream and the state after the item (the persistent schedule's; a block of the
+    ordinary grid takes one item)."""
 
     barriers: int
     init_barriers: object
@@ -100,26 +103,63 @@ class Schedule(NamedTuple):
     process_item: object
 
 
-def duplicated_schedule(k):
-    """The ``"duplicated"`` schedule (see the module docstring) on the steps ``k`` (``kernel_steps``): each
-    warpgroup computes S, the softmax and ``P V`` of its columns, the two taking turns on the tensor cores
-    (named barriers TURN + w), and refills the panels it copies once its own ``P V`` of a tile is complete and
-    the other's scores of the tile are done (mbarriers SCORED + STAGES·w + s)."""
-    BLOCK_N, STAGES, O_REGS, S_REGS = k.BLOCK_N, k.STAGES, k.O_REGS, k.S_REGS
-    FULL, Q_FULL, SCORED = k.FULL, k.Q_FULL, k.SCHEDULE_BARRIERS
-    STAGED_OUT = not k.SPLIT  # output rows staged in the Q tile, copied out in 16-byte chunks
-    init, wait_tile, issue_scores, issue_pv, softmax_tile = k.init, k.wait_tile, k.issue_scores, k.issue_pv, k.softmax_tile
-    stream_more, copy_next, scores = k.stream_more, k.copy_next, k.scores
-    store_row_results, stage_rows, copy_rows_out = k.store_row_results, k.stage_rows, k.copy_rows_out
+def grid_item(steps, tiles, hand_over):
+    """``process_item`` of a block of the ordinary grid (one item): the item's tiles through the schedule's
+    ``tiles(smem, view, bars, start, stats, inputs, items, walk, scale_log2, first, end, n_tiles, stream, ring,
+    tiles_done, regs, me)`` (``ring``: ``(stage, parity, prev_stage, prev_parity)`` of the item's first tile,
+    ``tiles_done`` the block's tiles before it; returns the stream and the ring after the item), the rows'
+    statistics made whole, ``hand_over(stats, l_row, m_row, warp, g, t, group)`` (every warpgroup then has
+    its rows' statistics, and the Q tile is free for the output rows), then the write-out."""
+    Q_FULL = steps.Q_FULL
+    STAGED_OUT = not steps.SPLIT  # output rows staged in the Q tile, copied out in 16-byte chunks
+    init, store_row_results = steps.init, steps.store_row_results
+    stage_rows, copy_rows_out = steps.stage_rows, steps.copy_rows_out
+
+    @cuda.jit(device=True, forceinline=True)
+    def process_item(smem, view, bars, start, stats, inputs, outputs, scale_log2, heads, items, walk, b, c, first,
+                     end, n_tiles, stream, state, regs, me):
+        o, lse, o_part, lse_part = outputs
+        m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
+        tid, warp, g, t, group, other, my_row, my_lane = me
+        stage, parity, prev_stage, prev_parity, tiles_done, _, _, _ = state
+        head0 = c * HEADS_PER_BLOCK
+        init(m_i, l_i, acc)
+        if n_tiles > 0:
+            mbarrier_wait(bars, Q_FULL, 0)
+        stream, _ = tiles(smem, view, bars, start, stats, inputs, items, walk, scale_log2, first, end, n_tiles, stream,
+                          (stage, parity, prev_stage, prev_parity), tiles_done, regs, me)
+        for half in range(2):  # the scorers' row statistics: full sums over the lane quad
+            l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
+        hand_over(stats, l_row, m_row, warp, g, t, group)
+        store_row_results(o_part, lse, lse_part, acc, l_row, m_row, b, head0, 0, heads, warp, g, t, group)
+        if STAGED_OUT:
+            stage_rows(view, acc, l_row, tid, warp, group, 0)
+            copy_rows_out(o, view, b, head0, 0, heads, tid, group)
+
+    return process_item
+
+
+def duplicated_schedule(steps):
+    """The ``"duplicated"`` schedule on ``steps`` (``kernel_steps``): each warpgroup computes S, the softmax
+    and ``P V`` of its columns, the two taking turns on the tensor cores (named barriers TURN + w), and
+    refills the panels it copies once its own ``P V`` of a tile is complete and the other's scores of the
+    tile are done (mbarriers SCORED + STAGES·w + s: warpgroup w's scores of stage s done)."""
+    BLOCK_N, STAGES, O_REGS, S_REGS = steps.BLOCK_N, steps.STAGES, steps.O_REGS, steps.S_REGS
+    FULL, Q_FULL, SCORED = steps.FULL, steps.Q_FULL, steps.SCHEDULE_BARRIERS
+    COPIERS, Q_LOADERS = steps.COPIERS, steps.Q_LOADERS
+    STAGED_OUT = not steps.SPLIT  # output rows staged in the Q tile, copied out in 16-byte chunks
+    scores, wait_tile, issue_scores = steps.scores, steps.wait_tile, steps.issue_scores
+    softmax_tile, issue_pv = steps.softmax_tile, steps.issue_pv
+    stream_more, copy_next = steps.stream_more, steps.copy_next
 
     @cuda.jit(device=True, forceinline=True)
     def init_barriers(bars):
         for stage in range(STAGES):
-            mbarrier_init(bars, FULL + stage, THREADS)
+            mbarrier_init(bars, FULL + stage, COPIERS)
             for w in range(GROUPS):
                 mbarrier_init(bars, SCORED + STAGES * w + stage, 128)
-        mbarrier_init(bars, Q_FULL, THREADS)
-        mbarrier_init(bars, Q_FULL + 1, THREADS)
+        mbarrier_init(bars, Q_FULL, Q_LOADERS)
+        mbarrier_init(bars, Q_FULL + 1, Q_LOADERS)
 
     @cuda.jit(device=True, forceinline=True)
     def begin(group):
@@ -127,17 +167,15 @@ def duplicated_schedule(k):
             barrier_arrive(TURN, THREADS)  # the first warpgroup goes first
 
     @cuda.jit(device=True, forceinline=True)
-    def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
-                     n_tiles, stream, state, regs, me):
-        q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part = arrays
-        m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
-        tid, warp, g, t, group, other, my_row, my_lane = me
-        stage, parity, prev_stage, prev_parity, _, _, _, _ = state
-        scorer = scores(group)
-        head0 = c * HEADS_PER_BLOCK
-        init(m_i, l_i, acc)
-        if n_tiles > 0:
-            mbarrier_wait(bars, Q_FULL, 0)
+    def tiles(smem, view, bars, start, stats, inputs, items, walk, scale_log2, first, end, n_tiles, stream, ring,
+              tiles_done, regs, me):
+        """An item's ``n_tiles`` tiles (keys ``first .. end``) through both warpgroups in turn, the last
+        ``P V`` complete at the end (see ``grid_item``; no P tile, so ``tiles_done`` goes unused)."""
+        _, _, ckv, kpe, page_table, seqlens = inputs
+        m_i, l_i, row_max, alpha, acc, s, p_frag, _, _ = regs
+        _, _, g, t, group, other, my_row, my_lane = me
+        stage, parity, prev_stage, prev_parity = ring
+        scorer = scores(group)  # every warpgroup, in this schedule
         for j in range(n_tiles):
             wait_tile(bars, stage, parity)
             barrier_sync(TURN + group, THREADS)  # this warpgroup's turn on the tensor cores
@@ -170,54 +208,69 @@ def duplicated_schedule(k):
             barrier_arrive(TURN + other, THREADS)
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
-        for half in range(2):  # the rows' statistics: full sums over the lane quad
-            l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
-        if STAGED_OUT:
-            cuda.syncthreads()  # both warpgroups' last products are complete: the Q tile is free
-        store_row_results(o_part, lse, lse_part, acc, l_row, m_row, b, head0, 0, heads, warp, g, t, group)
-        if STAGED_OUT:
-            stage_rows(view, acc, l_row, tid, warp, group, 0)
-            copy_rows_out(o, view, b, head0, 0, heads, tid, group)
+        return stream, (stage, parity, prev_stage, prev_parity)
 
-    return Schedule(3 * STAGES + 2, init_barriers, begin, process_item)
+    @cuda.jit(device=True, forceinline=True)
+    def hand_over(stats, l_row, m_row, warp, g, t, group):
+        """Each warpgroup has its rows' statistics already; with output rows to stage, both warpgroups' last
+        products complete first, which frees the Q tile."""
+        if STAGED_OUT:
+            cuda.syncthreads()
+
+    return Schedule(3 * STAGES + 2, init_barriers, begin, grid_item(steps, tiles, hand_over))
 
 
 class SharedParts(NamedTuple):
-    """What the two shared schedules have in common (``shared_parts``): their mbarriers' numbers and count, the
-    tile loop of both warpgroups and the handover of the rows' final statistics."""
+    """What the two shared schedules share (``shared_parts``): their mbarriers' numbers (``p_ready``, ``p_free``;
+    ``stats_ready``, ``half_free`` used by the persistent one alone), their count and the set-up of the first
+    ones; ``begin``; the tile loop of both warpgroups (``tiles``)."""
 
-    P_READY: int
-    P_FREE: int
-    STATS_READY: int
-    HALF_FREE: int
+    p_ready: int
+    p_free: int
+    stats_ready: int
+    half_free: int
     barriers: int
-    tiles: object
+    init_barriers: object
     begin: object
-    hand_over_sums: object
-    take_sums: object
+    tiles: object
 
 
-def shared_parts(k):
-    """The tile loop and handover of the ``"shared"`` schedules on the steps ``k``: warpgroup 0 computes S,
-    the softmax and its half of ``P V``, and hands P and the rows' rescaling factors to warpgroup 1 through
-    the P tile (mbarriers P_READY: warpgroup 0 wrote P, P_FREE: warpgroup 1 read it); warpgroup 1 copies the
-    latent tiles and adds ``P V`` for its columns. The persistent schedule's mbarriers follow: STATS_READY
-    (warpgroup 0 wrote an item's final row statistics), HALF_FREE (warpgroup 0 copied out its part of an
-    item's output rows)."""
-    BLOCK_N, STAGES, DTILES, O_REGS, S_REGS = k.BLOCK_N, k.STAGES, k.DTILES, k.O_REGS, k.S_REGS
-    P_READY = k.SCHEDULE_BARRIERS
+def shared_parts(steps):
+    """The tile loop of the ``"shared"`` schedules on ``steps``: warpgroup 0 computes S, the softmax and its
+    half of ``P V``, and hands P and the rows' rescaling factors to warpgroup 1 through the P tile (mbarriers
+    P_READY: warpgroup 0 wrote P, P_FREE: warpgroup 1 read it); warpgroup 1 copies the latent tiles and adds
+    ``P V`` for its columns. The persistent schedule's mbarriers follow: STATS_READY (warpgroup 0 wrote an
+    item's final row statistics), HALF_FREE (warpgroup 0 copied out its part of an item's output rows)."""
+    BLOCK_N, STAGES, O_REGS, S_REGS = steps.BLOCK_N, steps.STAGES, steps.O_REGS, steps.S_REGS
+    FULL, Q_FULL, COPIERS, Q_LOADERS = steps.FULL, steps.Q_FULL, steps.COPIERS, steps.Q_LOADERS
+    P_READY = steps.SCHEDULE_BARRIERS
     P_FREE, STATS_READY, HALF_FREE = P_READY + 1, P_READY + 2, P_READY + 3
-    wait_tile, issue_scores, issue_pv, softmax_tile = k.wait_tile, k.issue_scores, k.issue_pv, k.softmax_tile
-    issue_pv_shared, share_p, stream_more, copy_next = k.issue_pv_shared, k.share_p, k.stream_more, k.copy_next
-    scores = k.scores
+    scores, wait_tile, issue_scores = steps.scores, steps.wait_tile, steps.issue_scores
+    softmax_tile, issue_pv, issue_pv_shared = steps.softmax_tile, steps.issue_pv, steps.issue_pv_shared
+    share_p, take_factors = steps.share_p, steps.take_factors
+    stream_more, copy_next = steps.stream_more, steps.copy_next
 
     @cuda.jit(device=True, forceinline=True)
-    def tiles(smem, view, bars, start, stats, ckv, kpe, page_table, seqlens, items, walk, scale_log2, first, end,
-              n_tiles, stream, ring, tiles_done, regs, me):
+    def init_barriers(bars):
+        for stage in range(STAGES):
+            mbarrier_init(bars, FULL + stage, COPIERS)
+        mbarrier_init(bars, Q_FULL, Q_LOADERS)
+        mbarrier_init(bars, Q_FULL + 1, Q_LOADERS)
+        mbarrier_init(bars, P_READY, 128)
+        mbarrier_init(bars, P_FREE, 128)
+
+    @cuda.jit(device=True, forceinline=True)
+    def begin(group):
+        """Nothing: the shared schedules start on the first tile's mbarriers alone."""
+
+    @cuda.jit(device=True, forceinline=True)
+    def tiles(smem, view, bars, start, stats, inputs, items, walk, scale_log2, first, end, n_tiles, stream, ring,
+              tiles_done, regs, me):
         """An item's ``n_tiles`` tiles (keys ``first .. end``) through both warpgroups, warpgroup 0's last
         ``P V`` complete at the end; ``ring``: ``(stage, parity, prev_stage, prev_parity)`` of its first tile,
         ``tiles_done`` the block's tiles before it (the P tile's uses). Returns the stream and the ring after
         the item."""
+        _, _, ckv, kpe, page_table, seqlens = inputs
         m_i, l_i, row_max, alpha, acc, s, p_frag, _, _ = regs
         _, warp, g, t, group, _, my_row, my_lane = me
         stage, parity, prev_stage, prev_parity = ring
@@ -241,12 +294,7 @@ def shared_parts(k):
                 mbarrier_arrive(bars, P_READY)
             else:
                 mbarrier_wait(bars, P_READY, (tiles_done + j) & 1)
-                if stats[FLAGS + warp % 4] != _ZERO:
-                    for half in range(2):
-                        factor = stats[ALPHA + 16 * (warp % 4) + g + 8 * half]
-                        for dt in range(DTILES):
-                            acc[0, dt, 2 * half] *= factor
-                            acc[0, dt, 2 * half + 1] *= factor
+                take_factors(stats, acc, warp, g)
                 wait_tile(bars, stage, parity)
                 issue_pv_shared(acc, smem, start, stage)
                 wgmma_wait(0)
@@ -267,112 +315,61 @@ def shared_parts(k):
             fence_registers(acc, O_REGS)
         return stream, (stage, parity, prev_stage, prev_parity)
 
-    @cuda.jit(device=True, forceinline=True)
-    def begin(group):
-        """Nothing: the shared schedules start on the first tile's mbarriers alone."""
+    return SharedParts(P_READY, P_FREE, STATS_READY, HALF_FREE, STAGES + 6, init_barriers, begin, tiles)
+
+
+def shared_schedule(steps):
+    """The ``"shared"`` schedule on the ordinary grid (``shared_parts``): warpgroup 0 hands its rows' final
+    statistics to warpgroup 1 at a block barrier, which also leaves the Q tile free for the output rows."""
+    parts = shared_parts(steps)
+    share_sums, take_sums = steps.share_sums, steps.take_sums
 
     @cuda.jit(device=True, forceinline=True)
-    def hand_over_sums(stats, l_row, m_row, warp, g, t):
-        """Warpgroup 0: its rows' final sums and maxima into the row statistics, for ``take_sums``."""
-        if t == 0:
-            for half in range(2):
-                stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
-                stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
-
-    @cuda.jit(device=True, forceinline=True)
-    def take_sums(stats, l_row, m_row, warp, g):
-        """Warpgroup 1: its rows' final sums and maxima, as warpgroup 0 handed them over."""
-        for half in range(2):
-            l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
-            m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
-
-    return SharedParts(P_READY, P_FREE, STATS_READY, HALF_FREE, STAGES + 6, tiles, begin, hand_over_sums, take_sums)
-
-
-def shared_schedule(k):
-    """The ``"shared"`` schedule on the ordinary grid (see ``shared_parts``): the final row statistics
-    handed over at a block barrier, which also leaves the Q tile free for the output rows."""
-    STAGES, FULL, Q_FULL = k.STAGES, k.FULL, k.Q_FULL
-    STAGED_OUT = not k.SPLIT  # output rows staged in the Q tile, copied out in 16-byte chunks
-    parts = shared_parts(k)
-    P_READY, P_FREE, tiles, hand_over_sums, take_sums = parts.P_READY, parts.P_FREE, parts.tiles, \
-        parts.hand_over_sums, parts.take_sums
-    init = k.init
-    store_row_results, stage_rows, copy_rows_out = k.store_row_results, k.stage_rows, k.copy_rows_out
-
-    @cuda.jit(device=True, forceinline=True)
-    def init_barriers(bars):
-        for stage in range(STAGES):
-            mbarrier_init(bars, FULL + stage, 128)
-        mbarrier_init(bars, Q_FULL, THREADS)
-        mbarrier_init(bars, Q_FULL + 1, THREADS)
-        mbarrier_init(bars, P_READY, 128)
-        mbarrier_init(bars, P_FREE, 128)
-
-    @cuda.jit(device=True, forceinline=True)
-    def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
-                     n_tiles, stream, state, regs, me):
-        q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part = arrays
-        m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
-        tid, warp, g, t, group, other, my_row, my_lane = me
-        head0 = c * HEADS_PER_BLOCK
-        init(m_i, l_i, acc)
-        if n_tiles > 0:
-            mbarrier_wait(bars, Q_FULL, 0)
-        stream, _ = tiles(smem, view, bars, start, stats, ckv, kpe, page_table, seqlens, items, walk, scale_log2, first,
-                          end, n_tiles, stream, state[:4], state[4], regs, me)
-        for half in range(2):  # warpgroup 0's row statistics: full sums over the lane quad
-            l_row[half], m_row[half] = quad_sum(l_i[half]), m_i[half]
+    def hand_over(stats, l_row, m_row, warp, g, t, group):
         if group == 0:
-            hand_over_sums(stats, l_row, m_row, warp, g, t)
+            share_sums(stats, l_row, m_row, warp, g, t)
         cuda.syncthreads()  # also: every product is complete, the Q tile free for the output rows
         if group == 1:
             take_sums(stats, l_row, m_row, warp, g)
-        store_row_results(o_part, lse, lse_part, acc, l_row, m_row, b, head0, 0, heads, warp, g, t, group)
-        if STAGED_OUT:
-            stage_rows(view, acc, l_row, tid, warp, group, 0)
-            copy_rows_out(o, view, b, head0, 0, heads, tid, group)
 
-    return Schedule(parts.barriers, init_barriers, parts.begin, process_item)
+    return Schedule(parts.barriers, parts.init_barriers, parts.begin, grid_item(steps, parts.tiles, hand_over))
 
 
-def persistent_schedule(k):
-    """The ``"shared"`` schedule on the persistent grid (see ``shared_parts`` and the module docstring): items
-    in turn, each in its own half of the Q tile (its queries loaded an item ahead by warpgroup 1, its output
-    rows staged there), the final row statistics handed over through mbarriers."""
-    R, STAGES, FULL, Q_FULL = k.R, k.STAGES, k.FULL, k.Q_FULL
-    parts = shared_parts(k)
-    P_READY, P_FREE, STATS_READY, HALF_FREE = parts.P_READY, parts.P_FREE, parts.STATS_READY, parts.HALF_FREE
-    tiles, hand_over_sums, take_sums = parts.tiles, parts.hand_over_sums, parts.take_sums
-    init, load_q_async, next_with_keys = k.init, k.load_q_async, k.next_with_keys
-    store_row_results, stage_rows, copy_rows_out = k.store_row_results, k.stage_rows, k.copy_rows_out
+def persistent_schedule(steps):
+    """The ``"shared"`` schedule on the persistent grid (``shared_parts`` and the module docstring): the block's
+    items in turn, each in its own half of the Q tile (its queries loaded an item ahead by warpgroup 1, its
+    output rows staged there), the final row statistics handed over through mbarriers."""
+    R, Q_FULL = steps.R, steps.Q_FULL
+    parts = shared_parts(steps)
+    P_FREE, STATS_READY, HALF_FREE, tiles = parts.p_free, parts.stats_ready, parts.half_free, parts.tiles
+    init_shared_barriers = parts.init_barriers
+    init, load_q_async, next_with_keys = steps.init, steps.load_q_async, steps.next_with_keys
+    share_sums, take_sums = steps.share_sums, steps.take_sums
+    store_row_results, stage_rows, copy_rows_out = steps.store_row_results, steps.stage_rows, steps.copy_rows_out
 
     @cuda.jit(device=True, forceinline=True)
     def init_barriers(bars):
-        for stage in range(STAGES):
-            mbarrier_init(bars, FULL + stage, 128)
-        mbarrier_init(bars, Q_FULL, 128)
-        mbarrier_init(bars, Q_FULL + 1, 128)
-        mbarrier_init(bars, P_READY, 128)
-        mbarrier_init(bars, P_FREE, 128)
+        init_shared_barriers(bars)
         mbarrier_init(bars, STATS_READY, 128)
         mbarrier_init(bars, HALF_FREE, 128)
 
     @cuda.jit(device=True, forceinline=True)
-    def process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
-                     n_tiles, stream, state, regs, me):
-        q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part = arrays
+    def process_item(smem, view, bars, start, stats, inputs, outputs, scale_log2, heads, items, walk, b, c, first,
+                     end, n_tiles, stream, state, regs, me):
+        """One of the block's items (see ``Schedule``)."""
+        q_nope, q_pe, _, _, _, seqlens = inputs
+        o, lse, o_part, lse_part = outputs
         m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row = regs
         tid, warp, g, t, group, other, my_row, my_lane = me
-        _, _, _, _, tiles_done, items_done, q_b, q_c = state
+        stage, parity, prev_stage, prev_parity, tiles_done, items_done, q_b, q_c = state
         head0 = c * HEADS_PER_BLOCK
         q_half = items_done & 1  # the item's Q half
         q_row0 = PERSISTENT_HEADS * q_half  # the M row of the item's first head
         init(m_i, l_i, acc)
         if n_tiles > 0 and group == 0:
             mbarrier_wait(bars, Q_FULL + q_half, (items_done >> 1) & 1)
-        stream, ring = tiles(smem, view, bars, start, stats, ckv, kpe, page_table, seqlens, items, walk, scale_log2,
-                             first, end, n_tiles, stream, state[:4], tiles_done, regs, me)
+        stream, ring = tiles(smem, view, bars, start, stats, inputs, items, walk, scale_log2, first, end, n_tiles,
+                             stream, (stage, parity, prev_stage, prev_parity), tiles_done, regs, me)
         # the epilogue's addresses taken in each item, not held (or spilled) across the tile loop
         tid = opaque(tid)
         warp, g, t = tid // 32, tid % 32 // 4, tid % 4
@@ -385,7 +382,7 @@ def persistent_schedule(k):
         if n_tiles > 0:
             if group == 0:
                 mbarrier_wait(bars, P_FREE, (tiles_done - 1) & 1)
-                hand_over_sums(stats, l_row, m_row, warp, g, t)
+                share_sums(stats, l_row, m_row, warp, g, t)
                 mbarrier_arrive(bars, STATS_READY)
             if group == 1:
                 mbarrier_wait(bars, STATS_READY, items_done & 1)
@@ -414,15 +411,17 @@ def persistent_schedule(k):
     return Schedule(parts.barriers, init_barriers, parts.begin, process_item)
 
 
-def block_kernel(k, schedule):
-    """The kernel of ``schedule`` on the steps ``k``: a block's place and item (of the ordinary grid: its grid
-    position's; persistent: its first, then the next ones in turn), the schedule's mbarriers and first
-    copies, then its items through ``schedule.process_item``."""
-    BLOCK_N, STAGES, NTILES, DTILES, PSTEPS = k.BLOCK_N, k.STAGES, k.NTILES, k.DTILES, k.PSTEPS
-    VIEW_ROWS, ROW_THREADS, PERSISTENT, BARRIERS = k.VIEW_ROWS, k.ROW_THREADS, k.PERSISTENT, schedule.barriers
-    item_span, next_item, stream_at, stream_start = k.item_span, k.next_item, k.stream_at, k.stream_start
-    load_first_q, copies_tiles, stream_more, copy_next = k.load_first_q, k.copies_tiles, k.stream_more, k.copy_next
-    init_barriers, begin, process_item = schedule.init_barriers, schedule.begin, schedule.process_item
+def block_kernel(steps, schedule):
+    """The kernel running ``schedule`` (``Schedule``) on ``steps``: a block's place and first item (the ordinary
+    grid's: its grid position's; the persistent grid's: sequence ``blockIdx.x``, then every ``gridDim.x``-th),
+    the schedule's mbarriers, the Q tile and first tiles but one of the copy stream, then the block's items
+    through ``schedule.process_item``."""
+    BLOCK_N, STAGES, NTILES, DTILES, PSTEPS = steps.BLOCK_N, steps.STAGES, steps.NTILES, steps.DTILES, steps.PSTEPS
+    VIEW_ROWS, ROW_THREADS, PERSISTENT = steps.VIEW_ROWS, steps.ROW_THREADS, steps.PERSISTENT
+    item_span, next_item, stream_at = steps.item_span, steps.next_item, steps.stream_at
+    stream_start, stream_more, copy_next = steps.stream_start, steps.stream_more, steps.copy_next
+    load_first_q, copies_tiles = steps.load_first_q, steps.copies_tiles
+    BARRIERS, init_barriers, begin, process_item = schedule
 
     def kernel(q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part, scale_log2):
         smem = cuda.shared.array(0, uint16)
@@ -477,22 +476,22 @@ def block_kernel(k, schedule):
         # the shared schedule's row statistics, after the P tile (a view that the duplicated one never reads)
         stats = cuda.shared.array(0, float32)[(start + 64 * VIEW_ROWS) // 2:]
 
-        arrays = (q_nope, q_pe, ckv, kpe, page_table, seqlens, o, lse, o_part, lse_part)
+        inputs, outputs = (q_nope, q_pe, ckv, kpe, page_table, seqlens), (o, lse, o_part, lse_part)
         regs = (m_i, l_i, row_max, alpha, acc, s, p_frag, l_row, m_row)
         me = (tid, warp, g, t, group, other, my_row, my_lane)
-        # the ring and handover position (see process_item); typed, not literal, integers: from a tuple of
+        # the ring and handover position (see Schedule); typed, not literal, integers: from a tuple of
         # literals the persistent loop would type and lower process_item twice (for the literals, then for the
         # state it returns), a second a compile
         state = (int64(0), int64(0), int64(STAGES - 1), int64(1), int64(0), int64(0), q_b, q_c)
         if PERSISTENT:
             for _ in range(rounds):  # the block's items in turn
                 first, end, n_tiles = item_span(b, seqlens, capacity, 0, 1)
-                stream, state = process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b,
-                                             c, first, end, n_tiles, stream, state, regs, me)
+                stream, state = process_item(smem, view, bars, start, stats, inputs, outputs, scale_log2, heads, items,
+                                             walk, b, c, first, end, n_tiles, stream, state, regs, me)
                 b, c = next_item(b, c, items)
         else:
-            process_item(smem, view, bars, start, stats, arrays, scale_log2, heads, items, walk, b, c, first, end,
-                         n_tiles, stream, state, regs, me)
+            process_item(smem, view, bars, start, stats, inputs, outputs, scale_log2, heads, items, walk, b, c, first,
+                         end, n_tiles, stream, state, regs, me)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)
@@ -510,6 +509,6 @@ def mla_wgmma_kernel(dtype, rank, rope, block_n, stages, qk, split, write_lse, p
     if persistent and (qk != "shared" or split):
         raise ValueError("the persistent wgmma MLA kernel runs the shared schedule without key splits")
     shared = qk == "shared"
-    k = kernel_steps(dtype, rank, rope, block_n, stages, shared, split, write_lse, persistent)
+    steps = kernel_steps(dtype, rank, rope, block_n, stages, shared, split, write_lse, persistent)
     build = persistent_schedule if persistent else shared_schedule if shared else duplicated_schedule
-    return block_kernel(k, build(k))
+    return block_kernel(steps, build(steps))

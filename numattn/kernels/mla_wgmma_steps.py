@@ -166,14 +166,16 @@ def copy_streams(block_n, persistent, locate, next_row, load_tile_async):
 
 
 def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write_lse, persistent):
-    """The sizes and device functions of one MLA wgmma kernel's shared steps, as a namespace: ``rank``,
-    ``rope``, ``block_n`` and ``stages`` as ``mla_wgmma.mla_wgmma_kernel`` takes them; ``shared_scores``:
-    the shared schedule's layout (warpgroup 1 copies whole latent tiles; the P tile and row statistics
-    follow the ring); ``split``: the output goes out as key-split partials; ``persistent``: items of the
-    persistent grid (copy streams across items, the Q tile in two halves).
+    """The compile-time sizes and the device functions of the steps that every schedule of one MLA wgmma
+    kernel runs, as a namespace. ``rank``, ``rope``, ``block_n`` and ``stages`` as ``mla_wgmma_kernel`` takes
+    them; ``shared_scores``: the shared schedules' layout (warpgroup 0 alone computes scores, warpgroup 1
+    copies whole latent tiles; the P tile and row statistics follow the ring); ``split``: key-split partials
+    instead of output rows; ``write_lse``: log-sum-exps too (without splits); ``persistent``: the persistent
+    grid's items (copy streams run on across items, the Q tile holds two items' queries).
 
-    mbarriers ``FULL + s`` (ring stage s loaded) and ``Q_FULL + q`` (Q half q loaded; the whole tile unless
-    persistent) are every schedule's; a schedule numbers its own from ``SCHEDULE_BARRIERS``."""
+    mbarriers ``FULL + s`` (ring stage s loaded, by ``COPIERS`` threads) and ``Q_FULL + q`` (Q half q loaded
+    by ``Q_LOADERS`` threads; the whole tile unless persistent) are every schedule's; a schedule numbers its
+    own from ``SCHEDULE_BARRIERS`` on."""
     R, P, BLOCK_N, STAGES = rank, rope, block_n, stages
     SHARED, SPLIT, WRITE_LSE, PERSISTENT = shared_scores, split, write_lse, persistent
     PANELS = wgmma_panels(R, P)
@@ -199,6 +201,7 @@ def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write
     # shared: warpgroup 1 copies whole latent tiles; duplicated: each warpgroup the ckv panels it multiplies
     # by P, and warpgroup 0 the kpe columns
     COPY_PANELS = R // 64 if SHARED else OWN_PANELS
+    COPIERS = 128 if SHARED else THREADS  # threads whose copies fill a ring stage: shared, warpgroup 1's
     Q_LOADERS = 128 if PERSISTENT else THREADS  # threads that load Q tiles: persistent, warpgroup 1's
     Q_ROWS_PER_PASS = Q_LOADERS // 8  # Q tile rows copied at once, 8 threads per row
     bf16 = dtype == "bfloat16"
@@ -388,6 +391,32 @@ def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write
             stats[FLAGS + warp] = _ONE if rescaled else _ZERO
 
     @cuda.jit(device=True, forceinline=True)
+    def take_factors(stats, acc, warp, g):
+        """Warpgroup 1 of the shared schedule: its rows of ``acc`` rescaled by the factors that warpgroup 0
+        handed over with P (``share_p``), when its warp's flag says they moved."""
+        if stats[FLAGS + warp % 4] != _ZERO:
+            for half in range(2):
+                factor = stats[ALPHA + 16 * (warp % 4) + g + 8 * half]
+                for dt in range(DTILES):
+                    acc[0, dt, 2 * half] *= factor
+                    acc[0, dt, 2 * half + 1] *= factor
+
+    @cuda.jit(device=True, forceinline=True)
+    def share_sums(stats, l_row, m_row, warp, g, t):
+        """Warpgroup 0 of the shared schedule: its rows' final sums and maxima into the row statistics."""
+        if t == 0:
+            for half in range(2):
+                stats[L_FINAL + 16 * warp + g + 8 * half] = l_row[half]
+                stats[M_FINAL + 16 * warp + g + 8 * half] = m_row[half]
+
+    @cuda.jit(device=True, forceinline=True)
+    def take_sums(stats, l_row, m_row, warp, g):
+        """Warpgroup 1 of the shared schedule: its rows' final sums and maxima as warpgroup 0 shared them."""
+        for half in range(2):
+            l_row[half] = stats[L_FINAL + 16 * (warp % 4) + g + 8 * half]
+            m_row[half] = stats[M_FINAL + 16 * (warp % 4) + g + 8 * half]
+
+    @cuda.jit(device=True, forceinline=True)
     def store_row_results(o_part, lse, lse_part, acc, l_row, m_row, b, head0, q_row0, heads, warp, g, t, group):
         """This thread's part of the item's split partials (with key splits: its accumulator columns of its
         rows, normalised) and its rows' log2-sum-exps (warpgroup 0's first lane of a quad): partials' or,
@@ -413,12 +442,12 @@ def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write
 
     @cuda.jit(device=True, forceinline=True)
     def stage_rows(view, acc, l_row, tid, warp, group, q_half):
-        """Stage this warp's normalised output rows in the Q tile (rows 0 .. 63 of the warpgroup's
-        panels), for ``copy_rows_out``; in the persistent kernel only the warps of the item's half
-        ``q_half`` (the other half's rows are another item's heads). stmatrix stores columns 8·dt .. 8·dt + 15 of the warp's 16 rows
-        at once: matrix m (this lane's row addresses when m = lane // 8) holds rows 8·(m % 2) .., columns
-        8·(dt + m // 2) .., in panel dt // 8 of the warpgroup's and at chunk (dt + m // 2) % 8 swizzled by
-        the row's r % 8 = lane % 8."""
+        """Stage this warp's normalised output rows in the Q tile (rows 0 .. 63 of the warpgroup's panels),
+        for ``copy_rows_out``, so that each global store is a 16-byte chunk; in the persistent kernel only the
+        warps of the item's half ``q_half`` (the other half's rows are another item's heads). stmatrix stores
+        columns 8·dt .. 8·dt + 15 of the warp's 16 rows at once: matrix m (this lane's row addresses when
+        m = lane // 8) holds rows 8·(m % 2) .., columns 8·(dt + m // 2) .., in panel dt // 8 of the
+        warpgroup's and at chunk (dt + m // 2) % 8 swizzled by the row's r % 8 = lane % 8."""
         lane, m = tid % 32, (tid % 32) // 8
         inv0 = _ONE / l_row[0] if l_row[0] != _ZERO else _ZERO  # rows g and g + 8 of the warp
         inv1 = _ONE / l_row[1] if l_row[1] != _ZERO else _ZERO
@@ -447,11 +476,16 @@ def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write
             copy_16_to_global(o, (b, head0 + r, 8 * chunk), view, panel_row0 + r, col)
 
     return SimpleNamespace(
-        R=R, BLOCK_N=BLOCK_N, STAGES=STAGES, SPLIT=SPLIT, PERSISTENT=PERSISTENT, NTILES=NTILES, DTILES=DTILES, PSTEPS=PSTEPS, O_REGS=O_REGS, S_REGS=S_REGS,
-        VIEW_ROWS=VIEW_ROWS, ROW_THREADS=ROW_THREADS, FULL=FULL, Q_FULL=Q_FULL, SCHEDULE_BARRIERS=STAGES + 2,
-        Q_LOADERS=Q_LOADERS,
-        init=init, item_span=item_span, next_item=next_item, next_with_keys=next_with_keys, stream_at=stream_at,
-        stream_start=stream_start, copy_next=copy_next, stream_more=stream_more, scores=scores, copies_tiles=copies_tiles,
-        load_q_async=load_q_async, load_first_q=load_first_q, wait_tile=wait_tile, issue_scores=issue_scores, softmax_tile=softmax_tile,
-        issue_pv=issue_pv, issue_pv_shared=issue_pv_shared, share_p=share_p, store_row_results=store_row_results,
-        stage_rows=stage_rows, copy_rows_out=copy_rows_out)
+        R=R, BLOCK_N=BLOCK_N, STAGES=STAGES, SPLIT=SPLIT, PERSISTENT=PERSISTENT, NTILES=NTILES, DTILES=DTILES,
+        PSTEPS=PSTEPS, O_REGS=O_REGS, S_REGS=S_REGS, VIEW_ROWS=VIEW_ROWS, ROW_THREADS=ROW_THREADS, FULL=FULL,
+        Q_FULL=Q_FULL, COPIERS=COPIERS, Q_LOADERS=Q_LOADERS, SCHEDULE_BARRIERS=STAGES + 2,
+        # the copy streams and the Q tile
+        item_span=item_span, next_item=next_item, next_with_keys=next_with_keys, stream_at=stream_at,
+        stream_start=stream_start, copy_next=copy_next, stream_more=stream_more, copies_tiles=copies_tiles,
+        load_q_async=load_q_async, load_first_q=load_first_q,
+        # a tile: scores, softmax, P V; the shared schedule's handover of P and of the final row statistics
+        scores=scores, wait_tile=wait_tile, issue_scores=issue_scores, init=init, softmax_tile=softmax_tile,
+        issue_pv=issue_pv, issue_pv_shared=issue_pv_shared, share_p=share_p, take_factors=take_factors,
+        share_sums=share_sums, take_sums=take_sums,
+        # the output rows, log-sum-exps and split partials
+        store_row_results=store_row_results, stage_rows=stage_rows, copy_rows_out=copy_rows_out)
