@@ -221,11 +221,10 @@ def duplicated_schedule(steps):
 
 
 class SharedParts(NamedTuple):
-    """What the two shared schedules share (``shared_parts``): their mbarriers' numbers (``p_ready``, ``p_free``;
-    ``stats_ready``, ``half_free`` used by the persistent one alone), their count and the set-up of the first
-    ones; ``begin``; the tile loop of both warpgroups (``tiles``)."""
+    """What the two shared schedules share (``shared_parts``): the numbers of the mbarriers that the persistent
+    one waits on or adds (``p_free``; ``stats_ready``, ``half_free``), their count and the set-up of the
+    others; ``begin``; the tile loop of both warpgroups (``tiles``)."""
 
-    p_ready: int
     p_free: int
     stats_ready: int
     half_free: int
@@ -315,7 +314,7 @@ def shared_parts(steps):
             fence_registers(acc, O_REGS)
         return stream, (stage, parity, prev_stage, prev_parity)
 
-    return SharedParts(P_READY, P_FREE, STATS_READY, HALF_FREE, STAGES + 6, init_barriers, begin, tiles)
+    return SharedParts(P_FREE, STATS_READY, HALF_FREE, STAGES + 6, init_barriers, begin, tiles)
 
 
 def shared_schedule(steps):
