@@ -4,7 +4,7 @@ class, shared-memory and register estimates, the fit test per architecture, the 
 from dataclasses import dataclass, replace
 
 from ..kernels.mla import HEAD_ROWS
-from ..kernels.mla_wgmma import HEADS_PER_BLOCK, PERSISTENT_HEADS, mla_wgmma_shared_bytes
+from ..kernels.mla_wgmma_steps import HEADS_PER_BLOCK, PERSISTENT_HEADS, mla_wgmma_shared_bytes
 from ..kernels.tiles import tile_row_elems
 
 # Per-block limits by compute capability: opt-in shared memory (bytes) and registers per SM.

@@ -30,10 +30,8 @@ from numba import float32, int32, uint16
 from .._cuda import cuda
 from .constants import LN2_F32
 from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
-from .mla_wgmma import (
-    mla_wgmma_kernel,
-    softmax_headroom,
-)
+from .mla_wgmma import mla_wgmma_kernel
+from .mla_wgmma_steps import softmax_headroom
 from .online_softmax import quad_sum, softmax_steps
 from .ptx import (
     cp_async_16,
