@@ -39,8 +39,8 @@ SOURCES = {
     "cold-start": "coldstart-h200-2026-11-27",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h200-2026-11-27d",
-    "varlen": "varlen-h100-2026-11-27",
+    "variants": "variants-h200-2026-11-27e",
+    "varlen": "varlen-h200-2026-11-27b",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
