@@ -9,7 +9,8 @@ import numpy as np
 
 import numattn
 from numattn import reference
-from numattn.precompile import PRESETS
+from numattn.kernels.launch import GPUS
+from numattn.precompile import ARCHES, PRESETS
 from numattn.precompile import main as precompile_main
 
 
@@ -121,6 +122,8 @@ def main(argv=None):
     p_pre.add_argument("--workload", action="append", metavar="JSON", help="one call, as numattn.Workload's fields, "
                        'e.g. \'{"op": "attention", "heads_q": 32, "heads_kv": 8, "head_dim": 128}\' (repeatable)')
     p_pre.add_argument("--processes", type=int, help="worker processes (default: one per call, at most 4)")
+    p_pre.add_argument("--gpu", choices=[*GPUS, *ARCHES], help="compile for this GPU model (or a model of this "
+                       "compute capability) instead of running the calls: no GPU needed, nothing runs")
     p_pre.set_defaults(func=precompile_main)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -94,7 +94,10 @@ def _check_byte_order(order, spelling, name):
 
 
 def describe(x, name):
-    """``Operand`` for argument ``name``; TypeError for objects that are not arrays."""
+    """``Operand`` for argument ``name``; TypeError for objects that are not arrays. An ``Operand`` describes
+    itself: planning ahead of time takes shapes without arrays."""
+    if isinstance(x, Operand):
+        return x
     if is_torch(x):
         dtype = str(x.dtype).removeprefix("torch.")
         if x.device.type == "cuda":

@@ -5,10 +5,17 @@ once and every later process starts warm.
 A workload is a call: an op and its shapes. Each runs once on random inputs in a worker process; what it
 compiles is stored in the cache, where a later call of the same specialisation finds it. Without a GPU
 the call runs on the CPU path, whose compiled functions numba keeps in its own cache.
+
+Ahead of time for another GPU, or on a machine without one (``gpu=``, ``--gpu``): each workload is planned
+for that GPU model's properties on shape-only operands (no arrays, nothing launched), and every kernel its
+plans take is compiled for the model's compute capability into the kernel cache, which a process on such a
+GPU with the same numattn and toolchain then loads.
 """
 
 import concurrent.futures
+import contextlib
 import multiprocessing
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -73,7 +80,11 @@ PRESETS = {
 op. The MLA preset takes DeepSeek-V3's latent cache with 16 heads per GPU (8-way tensor parallel) and 128."""
 
 
-def precompile(*workloads: "Workload | str", processes: int | None = None) -> list[dict]:
+ARCHES = {"sm_80": "a100", "sm_86": "a10", "sm_89": "l40s", "sm_90": "h100"}
+"""A GPU model of each compute capability, for ``gpu="sm_XY"``: plans depend on the SM count and memory too."""
+
+
+def precompile(*workloads: "Workload | str", processes: int | None = None, gpu: str | None = None) -> list[dict]:
     """Compile the kernels of ``workloads`` into the kernel cache, in parallel worker processes.
 
     Parameters
@@ -83,6 +94,11 @@ def precompile(*workloads: "Workload | str", processes: int | None = None) -> li
     processes : int, optional
         Worker processes (default: the number of workloads, at most 4). Workers that need the same
         kernel wait for the first to compile it.
+    gpu : str, optional
+        Compile for this GPU model instead of running the calls here: ``"h100"``, ``"h200"``, ``"a100"``,
+        ``"l40s"``, ``"a10"`` (``launch.GPUS``), or a compute capability ``"sm_90"``, ``"sm_89"``,
+        ``"sm_86"``, ``"sm_80"`` (one model of it, ``ARCHES``). Needs no GPU: the workloads are planned for
+        the model and their kernels compiled into the kernel cache, nothing runs.
 
     Returns
     -------
@@ -112,23 +128,85 @@ def precompile(*workloads: "Workload | str", processes: int | None = None) -> li
         processes = min(4, len(expanded))
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive int, got {processes!r}")
+    if gpu is not None:
+        from .kernels.launch import GPUS
+
+        if ARCHES.get(gpu, gpu) not in GPUS:
+            raise ValueError(f"gpu must be one of {', '.join(map(repr, [*GPUS, *ARCHES]))}, got {gpu!r}")
+        gpu = ARCHES.get(gpu, gpu)
     if not expanded:
         return []
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA context
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
-        return list(pool.map(_run, [asdict(w) for w in expanded]))
+    # for a GPU model, numba's GPU target in the workers even without a GPU (not its simulator)
+    with _environment(NUMBA_ENABLE_CUDASIM="0") if gpu else contextlib.nullcontext():
+        with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+            return list(pool.map(_run, [asdict(w) for w in expanded], [gpu] * len(expanded)))
 
 
-def _run(fields):
-    """One workload in a worker process: its call on random inputs, timed; errors reported, not raised."""
+@contextlib.contextmanager
+def _environment(**values):
+    """``os.environ`` with ``values`` set (for the processes started meanwhile), restored afterwards."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run(fields, gpu=None):
+    """One workload in a worker process: its call on random inputs (or its plans for ``gpu``), timed; errors
+    reported, not raised."""
     workload = Workload(**fields)
     start = time.perf_counter()
     try:
-        _call(workload)
+        if gpu is None:
+            _call(workload)
+        else:
+            _plan_for(workload, gpu)
         error = None
     except Exception as exc:  # noqa: BLE001  (reported per workload; the others go on)
         error = f"{type(exc).__name__}: {exc}"
     return {"workload": workload.describe(), "seconds": time.perf_counter() - start, "error": error}
+
+
+def _plan_for(w, gpu):
+    """The plans of workload ``w``'s call made for GPU model ``gpu`` on shape-only operands, which compiles
+    their kernels into the kernel cache for it (``launch.targeting``); nothing runs."""
+    from ._arrays import Operand, contiguous_strides
+    from .kernels.compile_ahead import compile_ahead
+    from .kernels.launch import GPUS, targeting
+    from .ops import attention, backward, decode, mla
+
+    def operand(*shape, dtype=w.dtype):
+        return Operand("cai", dtype, shape, contiguous_strides(shape), 0)
+
+    b, hq, hkv, d, length = w.batch, w.heads_q, w.heads_kv, w.head_dim, w.seqlen
+    pages = -(-length // w.page_size)
+    lengths, table = operand(b, dtype="int32"), operand(b, pages, dtype="int32")
+    with targeting(GPUS[gpu]):
+        if w.op in ("attention", "train"):
+            q, k, v = operand(b, hq, length, d), operand(b, hkv, length, d), operand(b, hkv, length, d)
+            attention.make_plan(attention.validate(q, k, v, None, w.causal, None, "bhsd", w.op == "train"))
+            if w.op == "train":  # the backward's kernels (compiled here and now while targeting)
+                compile_ahead(backward.backward_specs(w.dtype, d, d, w.causal), 0)
+        elif w.op == "decode":
+            cache = operand(b, hkv, length, d)
+            decode.make_plan(decode.validate_decode_args(operand(b, hq, d), cache, cache, None, lengths, None, "bhsd",
+                                                         False))
+        elif w.op == "paged_decode":
+            cache = operand(b * pages, w.page_size, hkv, d)
+            decode.make_plan(decode.validate_paged_args(operand(b, hq, d), cache, cache, table, lengths, None, "nhd",
+                                                        False))
+        else:  # mla_decode
+            problem = mla.validate(operand(b, hq, d), operand(b, hq, w.rope_dim), operand(b * pages, w.page_size, d),
+                                   operand(b * pages, w.page_size, w.rope_dim), table, lengths,
+                                   1.0 / (d + w.rope_dim) ** 0.5, False)
+            mla.planned(problem, torch=False)
 
 
 def _call(w):
@@ -213,14 +291,16 @@ def main(args):
     from .kernels import kernel_cache
 
     start = time.perf_counter()
-    report = precompile(*workloads, processes=args.processes)
+    report = precompile(*workloads, processes=args.processes, gpu=args.gpu)
     for row in report:
         status = "ok" if row["error"] is None else f"FAILED: {row['error']}"
         print(f"{row['workload']:62} {row['seconds']:7.1f} s  {status}")
     from ._cuda import SIMULATOR
 
     where = kernel_cache.cache_directory()
-    kept = ("no GPU: the CPU path's compiled functions are kept in numba's cache" if SIMULATOR else
-            f"kernel cache: {where}" if where is not None else "the kernel cache is off: nothing kept")
+    kept = ("the kernel cache is off: nothing kept" if where is None
+            else f"kernel cache: {where}, for {ARCHES.get(args.gpu, args.gpu)}" if args.gpu
+            else "no GPU: the CPU path's compiled functions are kept in numba's cache" if SIMULATOR
+            else f"kernel cache: {where}")
     print(f"{len(report)} workloads in {time.perf_counter() - start:.1f} s; {kept}")
     return 1 if any(row["error"] is not None for row in report) else 0

@@ -18,7 +18,7 @@ import sys
 from typing import NamedTuple
 
 from .._cuda import SIMULATOR, cuda
-from . import kernel_cache
+from . import kernel_cache, launch
 from .launch import _compile, device_limits
 
 _WORKERS = []  # worker processes started by this process, reaped as they finish
@@ -45,7 +45,12 @@ def enabled():
 def compile_ahead(specs, device_id):
     """Start a worker process compiling the ``KernelSpec`` s that the kernel cache lacks for device
     ``device_id`` and that no earlier worker of this process was given; return it (a
-    ``subprocess.Popen``), or None when nothing is to be done."""
+    ``subprocess.Popen``), or None when nothing is to be done. While ``launch.targeting`` a GPU, compile
+    them into the cache here and now."""
+    if launch._TARGET is not None:
+        for spec in specs:
+            launch.compile_into_cache(spec.factory(*spec.args), spec.argtypes, spec.label, launch._TARGET.cc)
+        return None
     if not enabled():
         return None
     cc, directory = device_limits(device_id)["cc"], kernel_cache.cache_directory()

@@ -13,12 +13,14 @@ their own width. In the simulator, ``SimulatedKernel`` launches the numba
 dispatcher on numpy arrays instead.
 """
 
+import contextlib
 import ctypes
 import functools
 import struct
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -43,9 +45,39 @@ def driver_call(result):
     return result[1:]
 
 
-@functools.lru_cache(maxsize=None)
+class Gpu(NamedTuple):
+    """What planning and compiling need of a GPU model: ``device_limits``'s entries."""
+
+    name: str
+    cc: tuple
+    sms: int
+    max_shared: int  # bytes of shared memory a block may opt into
+    dram_gbs: float
+
+
+GPUS = {
+    "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 3352.32),
+    "h200": Gpu("NVIDIA H200", (9, 0), 132, 232448, 4814.304),
+    "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 166912, 2039.0),
+    "l40s": Gpu("NVIDIA L40S", (8, 9), 142, 101376, 864.0),
+    "a10": Gpu("NVIDIA A10", (8, 6), 72, 101376, 600.2),
+}
+"""GPU models to compile for ahead of time, without them (``targeting``): the H100 and H200 as their drivers
+report them, the others from their data sheets."""
+
+_TARGET = None  # the Gpu that ``targeting`` plans and compiles for, in place of the present devices
+
+
 def device_limits(device_id):
-    """Properties of GPU ``device_id`` that kernel configurations must respect."""
+    """Properties of GPU ``device_id`` that kernel configurations must respect (those of the ``targeting``
+    GPU while one is set)."""
+    if _TARGET is not None:
+        return _TARGET._asdict()
+    return _present_limits(device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _present_limits(device_id):
     if SIMULATOR:
         return {"name": "numba CUDA simulator", "cc": (9, 0), "sms": 1, "max_shared": 227 * 1024, "dram_gbs": 0.0}
     attr = _driver.CUdevice_attribute
@@ -66,6 +98,28 @@ def device_limits(device_id):
         # peak DRAM bandwidth: two transfers per memory clock (kHz) over the bus (bits)
         "dram_gbs": get("CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE") * get("CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH") / 4e6,
     }
+
+
+@contextlib.contextmanager
+def targeting(gpu):
+    """Plan and compile for ``gpu`` (a ``Gpu``) instead of the present devices, with a GPU or without one:
+    ``device_limits`` gives its properties, ``compiled`` and ``compile_ahead`` compile into the kernel cache
+    for its compute capability and launch nothing. Ahead-of-time compiles (``numattn.precompile``) run
+    plans under it in a process of their own, with numba's GPU target (not its simulator)."""
+    import numba.cuda.dispatcher
+
+    global _TARGET
+    if SIMULATOR:
+        raise RuntimeError("compiling for a GPU needs numba's GPU target: set NUMBA_ENABLE_CUDASIM=0")
+    present = numba.cuda.dispatcher.get_current_device
+    # numba compiles device functions for its current device's compute capability: the target's
+    numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=gpu.cc, id=0)
+    _TARGET = gpu
+    try:
+        yield gpu
+    finally:
+        _TARGET = None
+        numba.cuda.dispatcher.get_current_device = present
 
 
 def flatten_array(ptr, shape, strides, itemsize):
@@ -124,15 +178,23 @@ _UNFOLLOWED_DEFAULTS = {"debug": (0, False, None), "link": ((), [], None), "exte
                         "inline": ("never",)}
 
 
-def _compile(dispatcher, argtypes, label):
+def _compile(dispatcher, argtypes, label, cc=None):
     """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
-    the current device (numba's choice of target: sm_90a on sm_90, where wgmma needs it)."""
+    compute capability ``cc`` (the current device's by default) as numba links it (sm_90a on sm_90, where
+    wgmma needs it)."""
     start = time.perf_counter()
-    cc = cuda.get_current_device().compute_capability
+    cc = cc or cuda.get_current_device().compute_capability
     library, entry_name = _lowered(dispatcher, tuple(argtypes), cc, label)
     cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
     COMPILES.append((label, time.perf_counter() - start))
     return kernel_cache.Entry(label, entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
+
+
+def compile_into_cache(dispatcher, argtypes, label, cc):
+    """``dispatcher`` for ``argtypes`` compiled for compute capability ``cc`` into the kernel cache, unless
+    it is there; returns its ``kernel_cache.Entry``."""
+    key = kernel_cache.kernel_key(dispatcher, tuple(argtypes), cc)
+    return kernel_cache.cached_kernel(key, lambda: _compile(dispatcher, argtypes, label, cc))
 
 
 @functools.lru_cache(maxsize=None)
@@ -339,12 +401,34 @@ class SimulatedKernel:
                 sys.setswitchinterval(interval)
 
 
-@functools.lru_cache(maxsize=None)
 def compiled(dispatcher, argtypes, device_id, shared_bytes, label):
-    """Cached ``CompiledKernel`` (or ``SimulatedKernel``) for one signature and device."""
+    """Cached ``CompiledKernel`` (or ``SimulatedKernel``) for one signature and device; while ``targeting`` a
+    GPU, the kernel compiled into the kernel cache for it, to be loaded by a later process (``AheadOfTime``)."""
+    if _TARGET is not None:
+        compile_into_cache(dispatcher, argtypes, label, _TARGET.cc)
+        return AheadOfTime(label)
+    return _loaded(dispatcher, argtypes, device_id, shared_bytes, label)
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(dispatcher, argtypes, device_id, shared_bytes, label):
     if SIMULATOR:
         return SimulatedKernel(dispatcher, shared_bytes)
     return CompiledKernel(dispatcher, argtypes, device_id, shared_bytes, label)
+
+
+class AheadOfTime:
+    """A kernel compiled for the ``targeting`` GPU: its plans can be made, not launched."""
+
+    def __init__(self, label):
+        self.label = label
+
+    def prepare(self, *args, **kwargs):
+        def refuse(*args):
+            raise RuntimeError(f"kernel {self.label} was compiled ahead of time for another GPU; it does not "
+                               "launch in this process")
+
+        return refuse
 
 
 def resource_report():

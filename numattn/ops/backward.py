@@ -107,14 +107,20 @@ def _argtypes(arrays, scalars):
     return tuple(types.Array(numba.from_dtype(d), ndim, "A") for d, ndim in arrays) + (types.float32,) * scalars
 
 
+def backward_specs(dtype, head_dim, head_dim_v, causal, device=0, mods=NO_MODS):
+    """The ``KernelSpec`` s of the kernels a backward of these operands (and score modifications ``mods``)
+    launches on GPU ``device``, the slowest to compile first."""
+    config = backward_config(dtype, head_dim, head_dim_v, device)
+    return list(_backward_specs(dtype, head_dim, head_dim_v, causal, config, mods).values())
+
+
 @functools.lru_cache(maxsize=64)
 def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device, mods=NO_MODS):
     """Start compiling, in a worker process, the kernels a backward of these operands (and score modifications
     ``mods``) will launch on GPU ``device`` (``numattn.torch.attention`` calls it before its forward, which
     compiles meanwhile)."""
     if enabled():
-        config = backward_config(dtype, head_dim, head_dim_v, device)
-        compile_ahead(_backward_specs(dtype, head_dim, head_dim_v, causal, config, mods).values(), device)
+        compile_ahead(backward_specs(dtype, head_dim, head_dim_v, causal, device, mods), device)
 
 
 def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
