@@ -129,10 +129,13 @@ def precompile(*workloads: "Workload | str", processes: int | None = None, gpu: 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive int, got {processes!r}")
     if gpu is not None:
+        from .kernels.kernel_cache import cache_directory
         from .kernels.launch import GPUS
 
         if ARCHES.get(gpu, gpu) not in GPUS:
             raise ValueError(f"gpu must be one of {', '.join(map(repr, [*GPUS, *ARCHES]))}, got {gpu!r}")
+        if cache_directory() is None:
+            raise ValueError("gpu= compiles into the kernel cache, which NUMATTN_KERNEL_CACHE=off turns off")
         gpu = ARCHES.get(gpu, gpu)
     if not expanded:
         return []

@@ -82,6 +82,9 @@ def test_compiled_for_a_gpu_model_without_one(tmp_path, monkeypatch):
     assert main(["precompile", "--workload", workload, "--processes", "1", "--gpu", "a100"]) == 0
     labels = [label for _, label, _ in kernel_cache.entries(Path(tmp_path))]
     assert len(labels) == 4 and any(label.startswith("MmaConfig(") for label in labels)  # no wgmma on sm_80
+    monkeypatch.setenv("NUMATTN_KERNEL_CACHE", "off")
+    with pytest.raises(ValueError, match="NUMATTN_KERNEL_CACHE=off"):
+        numattn.precompile(Workload("attention", **tiny), gpu="h100")
 
 
 _FIRST_CALL = """
