@@ -4,7 +4,8 @@ in a fresh process with the kernel cache filled and with it off (GPU only; skipp
 backward's kernels compiled ahead in a worker process and without (GPU only).
 ``time_cache_hit``: the host's share of loading one kernel from the cache (its key over the kernel's
 closures and one entry read back and checked), on any machine. ``track_precompile_s``: filling an
-empty cache ahead of time."""
+empty cache ahead of time; ``track_precompile_for_a_gpu_model_s``: the same for an H100 without one (any
+machine: the kernels are planned and compiled for the model, nothing runs)."""
 
 import os
 import shutil
@@ -116,3 +117,15 @@ class Precompile:
         return time.perf_counter() - start
 
     track_precompile_s.unit = "s"
+
+    def track_precompile_for_a_gpu_model_s(self):
+        import time
+
+        start = time.perf_counter()
+        report = numattn.precompile(*(numattn.Workload(op, 32, 8, 128, seqlen=1024) for op in ("attention", "decode")),
+                                    gpu="h100")
+        if any(row["error"] for row in report):
+            raise RuntimeError(report)
+        return time.perf_counter() - start
+
+    track_precompile_for_a_gpu_model_s.unit = "s"
