@@ -18,8 +18,8 @@ import sys
 from typing import NamedTuple
 
 from .._cuda import SIMULATOR, cuda
-from . import kernel_cache, launch
-from .launch import _compile, device_limits
+from . import kernel_cache
+from .launch import _compile, compile_into_cache, device_limits, target
 
 _WORKERS = []  # worker processes started by this process, reaped as they finish
 _REQUESTED = set()  # keys of the kernels handed to a worker by this process
@@ -47,9 +47,9 @@ def compile_ahead(specs, device_id):
     ``device_id`` and that no earlier worker of this process was given; return it (a
     ``subprocess.Popen``), or None when nothing is to be done. While ``launch.targeting`` a GPU, compile
     them into the cache here and now."""
-    if launch._TARGET is not None:
+    if target() is not None:
         for spec in specs:
-            launch.compile_into_cache(spec.factory(*spec.args), spec.argtypes, spec.label, launch._TARGET.cc)
+            compile_into_cache(spec.factory(*spec.args), spec.argtypes, spec.label, target().cc)
         return None
     if not enabled():
         return None

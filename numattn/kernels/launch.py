@@ -100,6 +100,11 @@ def _present_limits(device_id):
     }
 
 
+def target():
+    """The ``Gpu`` that ``targeting`` plans and compiles for, or None."""
+    return _TARGET
+
+
 @contextlib.contextmanager
 def targeting(gpu):
     """Plan and compile for ``gpu`` (a ``Gpu``) instead of the present devices, with a GPU or without one:
