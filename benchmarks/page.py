@@ -304,9 +304,9 @@ def block_cold_start(data):
     ours = [r for r in data["cold_start"] if not r["case"].startswith("torch")]
     filled = [r["warm"]["first_call_s"] for r in ours]
     imports = [r[k]["numattn_import_s"] for r in ours for k in ("cold", "warm", "off")]
-    attention = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("attention")]
-    decode = [r["cold"]["first_call_s"] for r in ours if r["case"].startswith("decode")]
-    compiles = [seconds for r in ours if r["case"].startswith(("attention", "decode")) for _, seconds in r["off"]["compiles"]]
+    kernel_calls = [r for r in ours if r["case"].startswith(("attention", "decode"))]  # the compile target's calls
+    firsts = [r["cold"]["first_call_s"] for r in kernel_calls]
+    compiles = [seconds for r in kernel_calls for _, seconds in r["off"]["compiles"]]
     steps = data["gqa_transformer_300_steps_s"]
     ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
     lines += ["", f"`examples/gqa_transformer.py --steps 300`: {steps['cache empty']['numattn']} s with the cache empty "
@@ -317,8 +317,8 @@ def block_cold_start(data):
               target(f"`import numattn` ≤ 1 s on top of torch and numba ({min(imports):.2f}–{max(imports):.2f} s)",
                      max(imports) <= 1),
               target(f"a first-ever compile ≤ 5 s per attention or decode kernel (the calls' first times above, "
-                     f"{min(attention + decode):.2f}–{max(attention + decode):.2f} s; their kernels' compiles with the "
-                     f"cache off {min(compiles):.2f}–{max(compiles):.2f} s)", max(attention + decode) <= 5),
+                     f"{min(firsts):.2f}–{max(firsts):.2f} s; their kernels' compiles with the "
+                     f"cache off {min(compiles):.2f}–{max(compiles):.2f} s)", max(firsts) <= 5),
               target(f"the example's 300 steps with the cache filled within 1.5× SDPA's time ({ratio:.2f}×)", ratio <= 1.5)]
     return lines
 
