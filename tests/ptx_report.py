@@ -28,6 +28,7 @@ from numattn.configs.attention import (
     SimtConfig,  # noqa: E402
     choose_mma_config,  # noqa: E402
     choose_wgmma_config,  # noqa: E402
+    wgmma_configs,  # noqa: E402
 )
 from numattn.configs.backward import choose_backward_config, choose_backward_wgmma_config  # noqa: E402
 from numattn.configs.decode import (  # noqa: E402
@@ -138,6 +139,9 @@ def variants():
                                               vector_loads=True), DECODE_SIGNATURE)
     yield ("split-mma-attention",
            mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, False, False, True),
+           ATTENTION_SPLIT_SIGNATURE)
+    unproduced = next(c for c in wgmma_configs(64, 64) if not c.producer)
+    yield ("split-wgmma-attention", wgmma_attention_kernel(unproduced, "float16", 64, 64, False, True, True, split=True),
            ATTENTION_SPLIT_SIGNATURE)
     # a paged cache: page indices copied into shared memory tiles ahead of their keys
     yield ("paged-decode-mma", decode_mma_kernel("float16", 128, 128, 4, 1, ring[2], paged=True, has_seqlens=True,

@@ -227,6 +227,43 @@ def test_producer_registers_come_from_the_block(config):
     assert 0 <= taken <= given_back
 
 
+
+def test_key_splits_offered_to_the_tensor_core_kernels():
+    """Tuners may split the keys of the mma.sync kernel and of the wgmma kernel without a producer warpgroup
+    (2 to 16 runs while each keeps two key tiles: 96-key tiles take 2 or 4 runs of 1000 keys, 64-key tiles up
+    to 8); a producer's configuration, or the SIMT kernel's, takes none, and planning one with splits names
+    why."""
+    from numattn.configs.attention import MmaConfig, SimtConfig, split_options
+    from numattn.ops.attention import _attention_kernel, validate
+
+    half = np.ones((1, 2, 8, 64), np.float16)
+    problem = validate(half, np.ones((1, 2, 1000, 64), np.float16), np.ones((1, 2, 1000, 64), np.float16), None,
+                       False, None, "bhsd", False)
+    assert split_options(problem, WgmmaConfig(96, 3, 4, producer=False)) == [1, 2, 4]
+    assert split_options(problem, MmaConfig(64, 4, 1, True)) == [1, 2, 4, 8]
+    assert split_options(problem, WgmmaConfig(128, 2, 3, producer=True)) == [1]
+    assert split_options(problem, SimtConfig(64, 32, 128, 8)) == [1]
+    with pytest.raises(ValueError, match="without a producer"):
+        _attention_kernel(problem, 0, WgmmaConfig(128, 2, 3, producer=True), 2)
+
+
+def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
+    """K stored transposed (keys contiguous) takes the mma.sync kernel by default and offers tuners the wgmma
+    one on sm_90, with key tiles in multiples of 64 (a head-dim row of keys per 128-byte swizzle panel)."""
+    from numattn.configs.attention import MmaConfig, SimtConfig, default_config, fitting_kernels, misfit
+    from numattn.ops.attention import validate
+
+    half = np.ones((1, 2, 8, 64), np.float16)
+    keys = np.ones((1, 2, 64, 1024), np.float16).transpose(0, 1, 3, 2)
+    problem = validate(half, keys, np.ones((1, 2, 1024, 64), np.float16), None, False, None, "bhsd", False)
+    assert problem.transposed_k_loads
+    sm90 = {"cc": (9, 0), "max_shared": 227 * 1024}
+    assert fitting_kernels(problem, sm90) == (MmaConfig, WgmmaConfig, SimtConfig)
+    assert isinstance(default_config(problem, sm90), MmaConfig)
+    assert fitting_kernels(problem, {"cc": (8, 0), "max_shared": 163 * 1024}) == (MmaConfig, SimtConfig)
+    assert "multiples of 64" in misfit(problem, WgmmaConfig(96, 3, 4), sm90)
+    assert misfit(problem, WgmmaConfig(128, 1, 3), sm90) is None
+
 def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
     and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""

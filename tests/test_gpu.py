@@ -103,6 +103,44 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
             assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4, (config, splits, clusters)
 
 
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, "float16"), (128, "bfloat16")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, transposed):
+    """Every wgmma configuration, those without a producer also over 2 to 16 runs of keys merged by each query
+    tile's last block; K given with its rows contiguous or transposed (keys contiguous: the configurations of
+    key tiles in multiples of 64); with a sliding window and sinks (the first run's alone); 150 query rows
+    end mid-tile, 419 keys mid-run; the output is poisoned first."""
+    from numattn.configs.attention import splits_keys, wgmma_configs
+    from numattn.ops.attention import make_plan, validate
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    torch_dtype = getattr(torch, dtype)
+
+    def normal(*shape):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to("cuda", torch_dtype)
+
+    q = normal(2, 4, 150, head_dim)
+    k = normal(2, 2, head_dim, 424).transpose(2, 3)[:, :, :419] if transposed else normal(2, 2, 420, head_dim)[:, :, :419]
+    v = normal(2, 2, 420, head_dim)[:, :, :419]
+    sinks = torch.from_numpy(rng.standard_normal(4, dtype=np.float32)).cuda()
+    window = (300, 40)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, scale=0.125, return_lse=True, window=window,
+                                         sinks=sinks)
+    finite = np.isfinite(ref_lse)
+    problem = validate(q, k, v, None, causal, 0.125, "bhsd", True, window=window, sinks=sinks)
+    assert problem.transposed_k_loads == transposed
+    configs = [c for c in wgmma_configs(head_dim, head_dim) if not (transposed and c.block_n % 64)]
+    for config in configs:
+        for splits in (1, 2, 3, 4, 7, 16) if splits_keys(config) else (1,):
+            out = torch.full((2, 4, 150, head_dim), float("nan"), dtype=torch_dtype, device="cuda")
+            o, lse = make_plan(problem, config, splits)(q, k, v, out, None, sinks)
+            assert max_error(o, ref_o) <= ATOL[dtype], (config, splits)
+            assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
+            assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4, (config, splits)
+
 def test_bshd_and_strided_views(rng):
     q, k, v = cuda_qkv(rng, "bfloat16", 2, 8, 2, 300, 300, 128, layout="bshd")
     o = numattn.attention(q, k, v, layout="bshd", causal=True)

@@ -52,6 +52,7 @@ from .split_merge import (
     last_to_finish,
     release_counter,
     split_merger,
+    split_run,
 )
 from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
@@ -157,8 +158,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
                 q_s, warp_row0 + 16 * mt, 16 * ks, mat, mrow, False)
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
-               cap_slope, seqs):
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts):
         # v for the key count: k may be given transposed
         b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
         if VARLEN and m0 < 0:
@@ -172,10 +172,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             first = first // BLOCK_N * BLOCK_N
         n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
         if SPLIT:
-            tiles = n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N
-            per_split = -(-tiles // cuda.gridDim.y)
-            first += cuda.blockIdx.y * per_split * BLOCK_N
-            n_blocks = max(0, min(n_blocks - cuda.blockIdx.y * per_split, per_split))
+            first, n_blocks = split_run(first, n_blocks, n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N,
+                                        BLOCK_N)
         slope_log2 = alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO
         terms = (left, right, cap_log2, cap_slope, slope_log2)
 
@@ -280,6 +278,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, cuda.gridDim.y, cuda.blockIdx.y)
             cluster_sync()  # no block leaves while another reads its shared memory
         elif SPLIT:
+            o_part, lse_part, counters = parts
             store_partial(o_part, lse_part, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
             if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
                 merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
@@ -288,17 +287,6 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
             store(o, acc, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
 
-    if SPLIT:
-        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
-                   cap_slope):
-            attend(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
-                   cap_slope, ())
-    else:
-        @cuda.jit(device=True, forceinline=True)
-        def attend_whole(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs):
-            # the split arguments are unused
-            attend(q, k, v, o, lse, o, lse, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs)
-
-        kernel = forward_kernel(attend_whole, sequences)
+    kernel = forward_kernel(attend, sequences, split)
 
     return cuda.jit(kernel)

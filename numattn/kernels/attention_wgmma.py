@@ -33,13 +33,14 @@ from numba import float32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
 from .constants import LOG2E_F32
-from .online_softmax import p_fragments, seed_sink, softmax_steps
+from .online_softmax import p_fragments, partial_store, seed_sink, softmax_steps
 from .ptx import (
     SW128_ALIGN,
     aligned_start,
     barrier_arrive,
     barrier_sync,
     copy_16_to_global,
+    cp_async_16,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
@@ -64,20 +65,29 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
+from .split_merge import SPLIT_ATTENTION_MERGE, last_to_finish, release_counter, split_merger, split_run
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
 
 @functools.lru_cache(maxsize=None)
-def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, mods=NO_MODS,
-                           sequences=DENSE):
+def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, split=False,
+                           k_transposed=False, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
     arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says, the
     sequence layout ``sequences`` (varlen and paged arguments after the others) as ``sequences.py`` says.
 
     ``aligned_out``: rows of ``o`` are contiguous and 16-byte aligned, so the output is
     written in 16-byte chunks.
+
+    ``split`` (a configuration without a producer, dense sequences): the keys are divided among the
+    ``gridDim.y`` blocks of a query tile, whose partial results the last of them merges, with the arguments
+    and workspace of the ``mma.sync`` kernel's split (``attention_mma.py``).
+
+    ``k_transposed`` (key tiles in multiples of 64, dense sequences): ``k`` is ``[B, Hkv, D, Skv]`` with the
+    keys contiguous (a transposed view of K); its tiles are copied as they lie, a head-dim row of keys per
+    tile row, and read as an MN-major operand, as V's are.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
@@ -115,7 +125,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
     WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
-    VARLEN = sequences.varlen
+    VARLEN, SPLIT, K_T = sequences.varlen, split, k_transposed
+    if SPLIT and PRODUCER:
+        raise ValueError(f"key splits take a configuration without a producer warpgroup, got {config}")
+    if K_T and (BLOCK_N % 64 or VARLEN):
+        raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
+    KT_CHUNKS = BLOCK_N // 8  # 16-byte runs of keys per head-dim row of a transposed K tile
     locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
@@ -123,6 +138,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype,
                                                                             mods=mods, fold_scale=True)
     pack_p = p_fragments(PSTEPS, dtype)
+    store_partial = partial_store(1, DTILES)
+    merge_splits = split_merger(dtype, DV, None, write_lse, SPLIT_ATTENTION_MERGE)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
@@ -130,11 +147,27 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                                      first_thread=FIRST_COPIER)
 
     @cuda.jit(device=True, forceinline=True)
+    def load_kt_tile_async(view, tile_row0, k, at, h, n0, nkeys):
+        """This thread's copies of the K tile of keys ``n0 ..`` from ``k`` stored transposed (``k[at, h, d, n]``):
+        row ``d`` of the tile holds head-dim row ``d``'s keys, 8 per copy; keys from ``nkeys`` on read 0."""
+        if n0 + BLOCK_N <= nkeys:  # a whole tile: D rows of BLOCK_N keys, copied as Q's rows are
+            load_tile_async(view, tile_row0, D, k[:, :, :, n0:], at, h, 0, D, BLOCK_N)
+            return
+        for i in range(cuda.threadIdx.x - FIRST_COPIER, D * KT_CHUNKS, COPIERS):
+            d, c = i // KT_CHUNKS, (i % KT_CHUNKS) * 8
+            keys = min(max(nkeys - n0 - c, 0), 8)
+            row, col = sw128_cell(tile_row0, D, d, c)
+            cp_async_16(view, row, col, k, (at, h, d, n0 + c if keys > 0 else 0), 2 * keys)
+
+    @cuda.jit(device=True, forceinline=True)
     def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):
         """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``, found from ``kv_at`` as
         ``sequences.py`` says; from ``nkeys`` on they read 0) into ``stage``; the stage's FULL barrier counts
         them in."""
-        load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
+        if K_T:
+            load_kt_tile_async(view, K_ROW0 + stage * K_ROWS, k, kv_at, h_kv, first + j * BLOCK_N, nkeys)
+        else:
+            load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
         load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
@@ -167,11 +200,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     @cuda.jit(device=True, forceinline=True)
     def issue_scores(s, q_desc, k_desc):
         """Start ``S = Q Kᵀ`` for the warpgroup's Q rows (``q_desc``) and a K tile (``k_desc``): k-step ks reads
-        16 columns of panel ks // 4 of both."""
+        16 columns of panel ks // 4 of both (of a transposed K tile, head-dim rows 16ks .. 16ks + 16)."""
         wgmma_fence()
         for ks in range(KSTEPS):
-            wgmma_ss(s, BLOCK_N, q_desc + 8 * BLOCK_M * (ks // 4) + 2 * (ks % 4),
-                     k_desc + 8 * BLOCK_N * (ks // 4) + 2 * (ks % 4), False, ks > 0)
+            a_desc = q_desc + 8 * BLOCK_M * (ks // 4) + 2 * (ks % 4)
+            if K_T:
+                wgmma_ss(s, BLOCK_N, a_desc, k_desc + 128 * ks, True, ks > 0)
+            else:
+                wgmma_ss(s, BLOCK_N, a_desc, k_desc + 8 * BLOCK_N * (ks // 4) + 2 * (ks % 4), False, ks > 0)
         wgmma_commit()
 
     @cuda.jit(device=True, forceinline=True)
@@ -205,7 +241,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                         o[b, h, m0 + r, c + e] = view[row, col + e]
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs):
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts):
         b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
         if VARLEN and m0 < 0:
             return  # past the sequence's rows
@@ -219,6 +255,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
             first = first // BLOCK_N * BLOCK_N
         n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
+        if SPLIT:
+            first, n_blocks = split_run(first, n_blocks, n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N,
+                                        BLOCK_N)
         terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
@@ -242,7 +281,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         if PRODUCER:
             grow_registers(CONSUMER_REGISTERS)
         q_desc = wgmma_descriptor(smem, start + 64 * group_row0, 0)  # the warpgroup's Q rows
-        k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 0)  # the K tile of stage 0
+        k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 64 * D if K_T else 0)  # the K tile of stage 0
         v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
         if n_blocks > 0:
             if not PRODUCER:
@@ -262,7 +301,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         s = cuda.local.array((1, NTILES, 4), float32)
         p_frag = cuda.local.array((PSTEPS, 4), uint32)
         init(m_i, l_i, acc)
-        if SINKS:
+        if SINKS and (not SPLIT or cuda.blockIdx.y == 0):
             seed_sink(m_i, l_i, sinks[h] * LOG2E_F32, t)
 
         if n_blocks > 0:
@@ -319,13 +358,20 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
 
+        if SPLIT:
+            o_part, lse_part, counters = parts
+            store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, cuda.blockIdx.y, g, t)
+            if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
+                merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
+                release_counter(counters, 0, cuda.blockIdx.x)
+            return
         normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
         if STAGED:
             store_staged(o, view, acc, q_at, h, q_row0 + m0, group, q_row0 + seqlen_q, warp, g, t)
         else:
             store(o, acc, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
 
-    kernel = forward_kernel(attend, sequences)
+    kernel = forward_kernel(attend, sequences, split)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

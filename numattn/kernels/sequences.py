@@ -195,18 +195,28 @@ def key_block_locator(layout):
     return locate
 
 
-def forward_kernel(attend, layout):
+def forward_kernel(attend, layout, split=False):
     """The kernel function of a forward's body ``attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right,
-    cap_log2, cap_slope, sequences)``: with a varlen ``layout`` it takes the four arrays of the module docstring
-    after the other arguments."""
-    if layout.varlen:
+    cap_log2, cap_slope, sequences, parts)``: with a varlen ``layout`` it takes the four arrays of the module
+    docstring after the other arguments (``sequences``, else ``()``); with ``split`` (a launch whose blocks split
+    the keys, dense layouts only) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else
+    ``()``)."""
+    if split:
+        if layout.varlen:
+            raise ValueError("variable-length sequences take no key splits")
+
+        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (),
+                   (o_part, lse_part, counters))
+    elif layout.varlen:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
                    cu_seqlens_k, seqused_k, page_table):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table))
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), ())
     else:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, ())
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (), ())
     return _named_after(kernel, attend)
 
 

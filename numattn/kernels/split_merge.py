@@ -50,6 +50,16 @@ def last_to_finish(counters, counter_row, counter_col, tickets):
 
 
 @cuda.jit(device=True, forceinline=True)
+def split_run(first, n_blocks, tiles, block_n):
+    """The run of key tiles of this block of a split launch (split ``blockIdx.y`` of ``gridDim.y``):
+    ``(first key, tile count)`` of the query tile's run from key ``first``, ``n_blocks`` tiles long, whose
+    ``tiles`` tiles the splits divide evenly (a split past the run's end gets no tile)."""
+    per_split = -(-tiles // cuda.gridDim.y)
+    taken = cuda.blockIdx.y * per_split
+    return first + taken * block_n, max(0, min(n_blocks - taken, per_split))
+
+
+@cuda.jit(device=True, forceinline=True)
 def release_counter(counters, counter_row, counter_col):
     """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
     for the next launch (one thread). An atomic exchange, not a store: numba's dead-code elimination

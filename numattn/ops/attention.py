@@ -33,6 +33,7 @@ from ..configs.attention import (
     fitting_kernels,
     problem_shared_bytes,
     split_options,
+    splits_keys,
     tile_candidates,
 )
 from ..kernels import cpu
@@ -273,7 +274,8 @@ _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, 
 
 
 class _Kernel(NamedTuple):
-    """The kernel that computes a problem and how to launch it (``cluster``: the launch's cluster shape, or None)."""
+    """The kernel that computes a problem and how to launch it (``cluster``: the launch's cluster shape, or None;
+    ``k_transposed``: the kernel takes K as ``(B, H, D, S)``, keys contiguous)."""
 
     dispatcher: object
     grid: int | tuple
@@ -282,6 +284,7 @@ class _Kernel(NamedTuple):
     label: str
     config: object
     cluster: tuple | None
+    k_transposed: bool
 
 
 def _attention_kernel(p, device, config=None, splits=1):
@@ -289,19 +292,22 @@ def _attention_kernel(p, device, config=None, splits=1):
 
     The wgmma kernel on sm_90 where it applies (fp16/bf16, head dims multiples
     of 64), the mma.sync kernel on other tensor-core GPUs, head dims multiples
-    of 16, or K stored transposed (keys contiguous), the SIMT kernel otherwise
+    of 16, or K stored transposed (keys contiguous; the wgmma kernel too where ``config`` is a
+    ``WgmmaConfig``), the SIMT kernel otherwise
     (fp32, other head dims, rows unfit for 16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
-    ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (the
-    ``mma.sync`` kernel) divides the keys into runs whose partial results are merged, on sm_90 by the
-    query tile's blocks together (a cluster), elsewhere by its last block; the grid is then ``(blocks, splits)``.
+    ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (a tensor-core kernel; for the wgmma
+    one a configuration without a producer) divides the keys into runs whose partial results are merged by the
+    query tile's last block, or for the ``mma.sync`` kernel on sm_90 by its blocks together (a cluster) where
+    ``cluster_merges`` says; the grid is then ``(blocks, splits)``.
     """
     limits = device_limits(device)
     config = config or default_config(p, limits)
     kind = type(config)
     if kind not in fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
-    if splits > 1 and kind is not MmaConfig:
-        raise ValueError(f"key splits need the mma.sync kernel (an MmaConfig), got {config}")
+    if splits > 1 and not splits_keys(config):
+        raise ValueError(f"key splits need a tensor-core kernel (an MmaConfig, or a WgmmaConfig without a producer), "
+                         f"got {config}")
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     blocks = -(-p.seqlen_q // config.block_m) * p.batch * p.heads_q
@@ -309,7 +315,7 @@ def _attention_kernel(p, device, config=None, splits=1):
         raise ValueError(f"problem too large: {blocks} thread blocks exceed the grid limit")
     flags = {}
     if kind is WgmmaConfig:
-        flags = {"aligned_out": p.aligned_out}
+        flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": cluster_merges(blocks, splits, limits)}
@@ -329,7 +335,7 @@ def _attention_kernel(p, device, config=None, splits=1):
              + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
              + (f" {p.sequences.layout}" if p.sequences is not None else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
-                   config, cluster)
+                   config, cluster, flags.get("k_transposed", False))
 
 
 def _swap_last(values):
@@ -367,7 +373,7 @@ class _DevicePlan(LaunchPlan):
         itemsize = storage_dtype(p.dtype).itemsize
         out_array, lse_array = p.kernel_arrays(itemsize)
         k_shape, k_strides = p.bhsd(p.k.shape), p.bhsd(p.k.strides)
-        if type(self.config) is MmaConfig and p.transposed_k_loads:
+        if chosen.k_transposed:
             k_shape, k_strides = _swap_last(k_shape), _swap_last(k_strides)  # the kernel takes (B, H, D, S)
         arrays = [
             (p.bhsd(p.q.shape), p.bhsd(p.q.strides), itemsize),
@@ -404,6 +410,11 @@ class _TorchPlan(_DevicePlan):
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
         return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(alibi), tensor_pointer(sinks),
                         *map(tensor_pointer, sequences))
+
+    def on_pointers(self, out, q, k, v, alibi=0, sinks=0, *sequences):
+        """The call on data pointers the caller holds already (0 for an absent ALiBi or sinks array);
+        ``out`` a torch tensor or None."""
+        return self.run(out, q, k, v, alibi, sinks, *sequences)
 
 
 class _HostPlan:
@@ -442,7 +453,7 @@ class _NoGpuPlan:
         chosen = _attention_kernel(p, 0, config, splits)
         self.grid, self.block, self.config = chosen.grid, chosen.threads, chosen.config
         self.kernel = compiled(chosen.dispatcher, None, 0, chosen.shared_bytes, chosen.label)
-        self.k_transposed = type(self.config) is MmaConfig and p.transposed_k_loads
+        self.k_transposed = chosen.k_transposed
         self.problem, self.splits = p, splits
         self.split_shapes = _split_shapes(p, self.grid, splits)
 
@@ -543,8 +554,8 @@ def make_plan(problem, config=None, splits=1):
 def planned(q, k, v, *, scale, config=None, splits=1):
     """``(plan, problem)`` computing ``attention(q, k, v, scale=scale)`` (4-D "bhsd" operands, no
     mask) with tile configuration ``config`` (the heuristic's when None) and ``splits`` runs of
-    keys merged at the end (an ``MmaConfig`` when more than one); ``plan(q, k, v, None)`` runs it on
-    arrays laid out like these."""
+    keys merged at the end (a configuration that ``splits_keys`` when more than one); ``plan(q, k, v,
+    None)`` runs it on arrays laid out like these."""
     q, k, v = (from_dlpack(x) for x in (q, k, v))
     problem = validate(q, k, v, None, False, scale, "bhsd", False)
     return make_plan(problem, config, splits), problem

@@ -176,10 +176,10 @@ class Runner:
 
         device = arrays[qp].device
         out_template = torch.empty(1, dtype=arrays[qp].dtype, device=device).expand(out_dims)
-        empty_like, run_attention = torch.empty_like, attention.run
+        empty_like, run_attention = torch.empty_like, attention.on_pointers
 
-        def run(arrays, pointers):  # no ALiBi slopes or sinks: their pointers are null
-            return [run_attention(empty_like(out_template), pointers[qp], pointers[kp], pointers[vp], 0, 0)]
+        def run(arrays, pointers):
+            return [run_attention(empty_like(out_template), pointers[qp], pointers[kp], pointers[vp])]
 
         return run
 
