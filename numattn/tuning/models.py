@@ -4,6 +4,7 @@ that tuners try."""
 
 import numpy as np
 
+from ..configs.attention import MmaConfig, cluster_merges
 from ..kernels.split_merge import KEY_SPLITS, MAX_SPLITS
 
 # the cost model's device: an H100's copy bandwidth, tensor/CUDA-core rates and SMs, per-launch cost
@@ -11,21 +12,27 @@ BANDWIDTH = 3.0e12
 FLOPS = {"WgmmaConfig": 600e12, "MmaConfig": 300e12, "SimtConfig": 15e12, "unfused": 5e12}
 SMS = 132
 LAUNCH_SECONDS = 5e-6
+MODEL_DEVICE = {"cc": (9, 0), "sms": SMS}  # the cost model's device, as ``device_limits`` describes one
 
 
 def attention_seconds(q, k, v, out, itemsize, config, splits):
     """Modelled seconds of one fused attention kernel (and its combine when split) on dims ``q`` (…, Sq, D),
-    ``k`` (…, D, Skv), ``v`` (…, Skv, Dv), ``out`` (…, Sq, Dv)."""
+    ``k`` (…, D, Skv), ``v`` (…, Skv, Dv), ``out`` (…, Sq, Dv). A split launch's merge by each query tile's
+    last block runs after the tile's other blocks, a launch's worth of tail; merged in clusters (the
+    ``mma.sync`` kernel where ``cluster_merges``) it is not."""
     batch = int(np.prod(out[:-2]))
     flops = 2.0 * batch * out[-2] * k[-1] * (q[-1] + v[-1])
     nbytes = itemsize * sum(int(np.prod(d)) for d in (q, k, v, out))
     rate = FLOPS.get(type(config).__name__, FLOPS["MmaConfig"])  # None: the heuristic's
+    clustered = False
     if config is not None:  # whole waves of blocks; under four warps a block leaves sub-partitions idle
-        blocks = batch * -(-out[-2] // config.block_m) * splits
+        tiles = batch * -(-out[-2] // config.block_m)
+        blocks = tiles * splits
         rate *= blocks / (SMS * -(-blocks // SMS)) * min(1.0, config.num_threads / 128)
+        clustered = isinstance(config, MmaConfig) and cluster_merges(tiles, splits, MODEL_DEVICE)
     seconds = max(nbytes / BANDWIDTH, flops / rate) + LAUNCH_SECONDS
     if splits > 1:  # the combine: float32 partials written and read back
-        seconds += 2 * 4 * batch * out[-2] * splits * (out[-1] + 1) / BANDWIDTH + LAUNCH_SECONDS
+        seconds += 2 * 4 * batch * out[-2] * splits * (out[-1] + 1) / BANDWIDTH + (0 if clustered else LAUNCH_SECONDS)
     return seconds
 
 
