@@ -264,6 +264,31 @@ def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
     assert "multiples of 64" in misfit(problem, WgmmaConfig(96, 3, 4), sm90)
     assert misfit(problem, WgmmaConfig(128, 1, 3), sm90) is None
 
+
+def test_default_splits_the_keys_of_short_grids(monkeypatch):
+    """On sm_90 the default splits the keys where the query tiles fill at most half the SMs, into as many runs
+    as keep a block per SM and 8 key tiles per run; larger grids, windows and wide heads keep one run."""
+    from numattn.configs import attention as configs
+    from numattn.ops.attention import validate
+
+    monkeypatch.setattr(configs, "SIMULATOR", False)
+    h200 = {"cc": (9, 0), "max_shared": 232448, "sms": 132}
+
+    def choice(batch, heads, seqlen_q, seqlen_kv, head_dim, **options):
+        q = np.ones((batch, heads, seqlen_q, head_dim), np.float16)
+        kv = np.ones((batch, heads, seqlen_kv, head_dim), np.float16)
+        problem = validate(q, kv, kv, None, False, None, "bhsd", False, **options)
+        return configs.default_choice(problem, h200)
+
+    assert choice(1, 8, 512, 16384, 128) == (configs.SPLITTING, 4)  # 32 query tiles
+    assert choice(1, 16, 256, 32768, 64) == (configs.SPLITTING, 4)
+    assert choice(1, 2, 128, 16384, 128) == (configs.SPLITTING, 16)  # 2 query tiles: 16 runs of 8 key tiles
+    assert choice(1, 2, 128, 2048, 128) == (configs.SPLITTING, 2)  # 16 key tiles
+    assert choice(1, 2, 128, 1024, 128)[1] == 1  # too few key tiles
+    assert choice(2, 8, 1024, 8192, 128)[1] == 1  # 128 query tiles
+    assert choice(1, 8, 512, 16384, 128, window=(1024, 0))[1] == 1
+    assert choice(1, 8, 512, 16384, 256)[1] == 1
+
 def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs
     and other head dims the mma.sync kernel; the simulator the mma.sync one (it simulates faster)."""

@@ -141,6 +141,21 @@ def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, tran
             assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
             assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4, (config, splits)
 
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_splits_the_keys_of_a_short_grid(rng, causal):
+    """``numattn.attention``'s default for few query tiles over many keys splits the keys on sm_90 (4 query
+    tiles, 24 key tiles: 2 runs), output and LSE as the reference's."""
+    from numattn.ops.attention import make_plan, validate
+
+    q, k, v = cuda_qkv(rng, "bfloat16", 1, 2, 2, 150, 3000, 128)
+    plan = make_plan(validate(q, k, v, None, causal, None, "bhsd", True))
+    assert plan.splits == (2 if torch.cuda.get_device_capability() == (9, 0) else 1)
+    o, lse = numattn.attention(q, k, v, causal=causal, return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["bfloat16"]
+    assert np.abs(lse.cpu().numpy() - ref_lse).max() <= 1e-4
+
 def test_bshd_and_strided_views(rng):
     q, k, v = cuda_qkv(rng, "bfloat16", 2, 8, 2, 300, 300, 128, layout="bshd")
     o = numattn.attention(q, k, v, layout="bshd", causal=True)

@@ -75,6 +75,33 @@ class AttentionVariants:
     track_numattn_ms.unit = "ms"
 
 
+
+class AttentionShortGrid:
+    """Few query tiles over many keys (a chunk of queries against a long context, few heads), not causal:
+    the default splits the keys among more blocks on sm_90. Against SDPA's default backend."""
+
+    params = ([(1, 8, 512, 16384, 128), (1, 16, 256, 32768, 64)],)
+    param_names = ["shape (B, H, Lq, Lkv, D)"]
+    unit = "ms"
+
+    def setup(self, shape):
+        torch = _cuda_torch()
+        batch, heads, seqlen_q, seqlen_kv, head_dim = shape
+        dtype = torch.bfloat16 if head_dim == 128 else torch.float16
+        self.q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=dtype)
+        self.k, self.v = (torch.randn(batch, heads, seqlen_kv, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        numattn.attention(self.q, self.k, self.v)  # compile outside the timing
+
+    def track_numattn_ms(self, shape):
+        return cuda_time_ms(lambda: numattn.attention(self.q, self.k, self.v))
+
+    def track_sdpa_ms(self, shape):
+        import torch
+
+        return cuda_time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(self.q, self.k, self.v))
+
+    track_numattn_ms.unit = track_sdpa_ms.unit = "ms"
+
 class AttentionVarlen:
     """``attention_varlen`` on packed sequences of one length (B8 L2048 Hq32 Hkv8 D128 bf16 causal), keys
     packed or in shuffled pages of 16 (``benchmarks/varlen.py`` compares them with the padded batch)."""

@@ -29,6 +29,7 @@ from ..configs.attention import (
     SimtConfig,
     WgmmaConfig,
     cluster_merges,
+    default_choice,
     default_config,
     fitting_kernels,
     problem_shared_bytes,
@@ -542,8 +543,13 @@ def _options_key(window, softcap, alibi_slopes, sinks):
 
 def make_plan(problem, config=None, splits=1):
     """The plan of ``problem`` (from ``validate``) for its kind of arrays, with tile configuration ``config``
-    (the heuristic's when None) and ``splits`` runs of keys: ``plan(q, k, v, out)`` runs it."""
+    and ``splits`` runs of keys (the heuristic's, ``default_choice``, when ``config`` is None):
+    ``plan(q, k, v, out)`` runs it."""
     p = problem
+    if config is None:
+        if splits != 1:
+            raise ValueError(f"key splits ({splits}) need a tile configuration")
+        config, splits = default_choice(p, device_limits(0 if p.device is None else p.device))
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
         return _NoGpuPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
