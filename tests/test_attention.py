@@ -187,7 +187,7 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     from numattn.configs.attention import WgmmaConfig
     from numattn.ops import attention as module
 
-    monkeypatch.setattr(module, "default_config", lambda *args: WgmmaConfig(**config))
+    monkeypatch.setattr(module, "default_choice", lambda *args: (WgmmaConfig(**config), 1))
     for dtype, causal, head_dim_v, misaligned_out in (
         ("float16", True, 64, False), ("bfloat16", False, 64, True), ("bfloat16", True, 128, False)
     ):

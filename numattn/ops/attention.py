@@ -30,7 +30,6 @@ from ..configs.attention import (
     WgmmaConfig,
     cluster_merges,
     default_choice,
-    default_config,
     fitting_kernels,
     problem_shared_bytes,
     split_options,
@@ -275,8 +274,9 @@ _KERNELS = {SimtConfig: simt_attention_kernel, MmaConfig: mma_attention_kernel, 
 
 
 class _Kernel(NamedTuple):
-    """The kernel that computes a problem and how to launch it (``cluster``: the launch's cluster shape, or None;
-    ``k_transposed``: the kernel takes K as ``(B, H, D, S)``, keys contiguous)."""
+    """The kernel that computes a problem and how to launch it (``splits``: runs of keys per query tile;
+    ``cluster``: the launch's cluster shape, or None; ``k_transposed``: the kernel takes K as ``(B, H, D, S)``,
+    keys contiguous)."""
 
     dispatcher: object
     grid: int | tuple
@@ -284,6 +284,7 @@ class _Kernel(NamedTuple):
     shared_bytes: int
     label: str
     config: object
+    splits: int
     cluster: tuple | None
     k_transposed: bool
 
@@ -296,13 +297,17 @@ def _attention_kernel(p, device, config=None, splits=1):
     of 16, or K stored transposed (keys contiguous; the wgmma kernel too where ``config`` is a
     ``WgmmaConfig``), the SIMT kernel otherwise
     (fp32, other head dims, rows unfit for 16-byte copies); tile configuration ``config`` (a ``WgmmaConfig``,
-    ``MmaConfig`` or ``SimtConfig``) or the heuristic's. ``splits`` > 1 (a tensor-core kernel; for the wgmma
-    one a configuration without a producer) divides the keys into runs whose partial results are merged by the
-    query tile's last block, or for the ``mma.sync`` kernel on sm_90 by its blocks together (a cluster) where
-    ``cluster_merges`` says; the grid is then ``(blocks, splits)``.
+    ``MmaConfig`` or ``SimtConfig``) or, when None, the heuristic's with its key splits (``default_choice``).
+    ``splits`` > 1 (a tensor-core kernel; for the wgmma one a configuration without a producer) divides the
+    keys into runs whose partial results are merged by the query tile's last block, or for the ``mma.sync``
+    kernel on sm_90 by its blocks together (a cluster) where ``cluster_merges`` says; the grid is then
+    ``(blocks, splits)``.
     """
     limits = device_limits(device)
-    config = config or default_config(p, limits)
+    if config is None:
+        if splits != 1:
+            raise ValueError(f"key splits ({splits}) need a tile configuration")
+        config, splits = default_choice(p, limits)
     kind = type(config)
     if kind not in fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
@@ -336,7 +341,7 @@ def _attention_kernel(p, device, config=None, splits=1):
              + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
              + (f" {p.sequences.layout}" if p.sequences is not None else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
-                   config, cluster, flags.get("k_transposed", False))
+                   config, splits, cluster, flags.get("k_transposed", False))
 
 
 def _swap_last(values):
@@ -355,7 +360,7 @@ class _DevicePlan(LaunchPlan):
 
     def __init__(self, p, config=None, splits=1):
         chosen = _attention_kernel(p, p.device, config, splits)
-        grid, self.config = chosen.grid, chosen.config
+        grid, self.config, splits = chosen.grid, chosen.config, chosen.splits
         storage = numba.from_dtype(storage_dtype(p.dtype))
         f32 = types.float32
         self.problem, self.splits = p, splits
@@ -431,7 +436,7 @@ class _HostPlan:
         on_gpu = replace(p, device=device, out=None, options=p.options.on_device(device), sequences=sequences,
                          **contiguous)
         self.device_plan = _DevicePlan(on_gpu, config, splits)
-        self.config, self.splits = self.device_plan.config, splits
+        self.config, self.splits = self.device_plan.config, self.device_plan.splits
         self.problem = p
 
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
@@ -455,8 +460,8 @@ class _NoGpuPlan:
         self.grid, self.block, self.config = chosen.grid, chosen.threads, chosen.config
         self.kernel = compiled(chosen.dispatcher, None, 0, chosen.shared_bytes, chosen.label)
         self.k_transposed = chosen.k_transposed
-        self.problem, self.splits = p, splits
-        self.split_shapes = _split_shapes(p, self.grid, splits)
+        self.problem, self.splits = p, chosen.splits
+        self.split_shapes = _split_shapes(p, self.grid, chosen.splits)
 
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
         p = self.problem
@@ -546,10 +551,6 @@ def make_plan(problem, config=None, splits=1):
     and ``splits`` runs of keys (the heuristic's, ``default_choice``, when ``config`` is None):
     ``plan(q, k, v, out)`` runs it."""
     p = problem
-    if config is None:
-        if splits != 1:
-            raise ValueError(f"key splits ({splits}) need a tile configuration")
-        config, splits = default_choice(p, device_limits(0 if p.device is None else p.device))
     if p.device is None or p.q.kind == "numba" and SIMULATOR:
         return _NoGpuPlan(p, config, splits) if SIMULATOR else _HostPlan(p, config, splits)
     if p.q.kind == "torch" and all(op is None or op.kind == "torch" for op in (p.k, p.v, p.out)):
