@@ -266,8 +266,9 @@ def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
 
 
 def test_default_splits_the_keys_of_short_grids(monkeypatch):
-    """On sm_90 the default splits the keys where the query tiles fill at most half the SMs, into as many runs
-    as keep a block per SM and 8 key tiles per run; larger grids, windows and wide heads keep one run."""
+    """On sm_90 the default splits the keys where the query tiles fill at most half the SMs over at least four
+    times as many keys, into as many runs as keep a block per SM and 8 key tiles per run; larger grids,
+    fewer keys, windows and wide heads keep one run."""
     from numattn.configs import attention as configs
     from numattn.ops.attention import validate
 
@@ -285,6 +286,7 @@ def test_default_splits_the_keys_of_short_grids(monkeypatch):
     assert choice(1, 2, 128, 16384, 128) == (configs.SPLITTING, 16)  # 2 query tiles: 16 runs of 8 key tiles
     assert choice(1, 2, 128, 2048, 128) == (configs.SPLITTING, 2)  # 16 key tiles
     assert choice(1, 2, 128, 1024, 128)[1] == 1  # too few key tiles
+    assert choice(1, 2, 4096, 4096, 128)[1] == 1  # as many keys as queries
     assert choice(2, 8, 1024, 8192, 128)[1] == 1  # 128 query tiles
     assert choice(1, 8, 512, 16384, 128, window=(1024, 0))[1] == 1
     assert choice(1, 8, 512, 16384, 256)[1] == 1
