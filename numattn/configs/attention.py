@@ -343,9 +343,7 @@ def default_choice(p, limits):
             or p.options.mods.window or p.seqlen_kv < 4 * p.seqlen_q or misfit(p, SPLITTING, limits) is not None):
         return config, 1
     tiles = p.batch * p.heads_q * -(-p.seqlen_q // SPLITTING.block_m)
-    key_tiles = -(-p.seqlen_kv // SPLITTING.block_n)
-    if 2 * tiles > limits["sms"]:
-        return config, 1
+    key_tiles = -(-p.seqlen_kv // SPLITTING.block_n)  # two runs or more need tiles ≤ SMs / 2
     fitting = [n for n in KEY_SPLITS if tiles * n <= limits["sms"] and key_tiles >= SPLIT_KEY_TILES * n]
     return (SPLITTING, max(fitting)) if fitting else (config, 1)
 
