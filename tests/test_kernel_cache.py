@@ -1,6 +1,7 @@
 """The compiled-kernel cache on disk: keys, damaged entries, processes sharing it, the off switch.
 (That a kernel loaded from it equals a fresh compile is checked on the GPU, in test_gpu.py.)"""
 
+import gc
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import warnings
 import pytest
 
 from numattn.configs.attention import MmaConfig
-from numattn.kernels import kernel_cache
+from numattn.kernels import kernel_cache, launch
 from numattn.kernels.attention_mma import mma_attention_kernel
 
 pytestmark = pytest.mark.sim
@@ -181,7 +182,7 @@ def test_cache_info_and_clear_on_the_command_line(cache_dir, capsys):
 
 
 _CUBIN_SCRIPT = textwrap.dedent("""
-    import sys, types
+    import gc, sys, types
     from numba import cuda
     from numba.cuda import codegen
     # no GPU here: numba's current device and the code library's target (asked of a context) are sm_90's,
@@ -203,6 +204,7 @@ _CUBIN_SCRIPT = textwrap.dedent("""
         entry = launch._compile(dispatcher, spec.argtypes, spec.label)
         name, cubin = entry.entry_name, entry.cubin
         assert [label for label, _ in launch.COMPILES] == [spec.label]  # each compile is timed
+        assert gc.isenabled()  # the collector, paused while compiling, runs again
     sys.stdout.buffer.write(name.encode() + b"\\n" + cubin)
 """)
 
@@ -211,11 +213,40 @@ _CUBIN_SCRIPT = textwrap.dedent("""
 def test_compile_links_numbas_cubin():
     """numattn's compile (``launch._compile``: numba's steps without the PTX listing that numba's kernel object
     makes, a second NVVM run) links the very cubin, entry name included, that numba's kernel object links: each
-    in a fresh process (numba numbers its compiled functions in the order a process compiles them). The compile
-    is listed in ``launch.COMPILES``."""
+    in a fresh process (numba numbers its compiled functions in the order a process compiles them). numattn's
+    compile, run in one chunk of Python's frame stack with the garbage collector paused, is listed in
+    ``launch.COMPILES`` and leaves the collector running."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
     cubins = [subprocess.run([sys.executable, "-c", _CUBIN_SCRIPT, way], env=env, capture_output=True, timeout=600)
               for way in ("numba", "numattn")]
     for done in cubins:
         assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert len(cubins[0].stdout) > 1000 and cubins[0].stdout == cubins[1].stdout
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_compile_leaves_the_garbage_collector_as_it_found_it(enabled):
+    """``launch._compile`` pauses Python's garbage collector while numba compiles; afterwards the collector
+    is as it was, whether the compile returned or raised."""
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        with launch._collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() == enabled
+        with pytest.raises(ZeroDivisionError), launch._collector_paused():
+            divmod(1, 0)
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_a_compile_runs_through_one_frame_stack_chunk():
+    """The call that runs a compile in one chunk of Python's frame stack passes its arguments through and
+    returns the result, exceptions included, at any depth of the caller's stack."""
+    def nested(depth):
+        return launch._in_one_stack_chunk(divmod, 17, 5) if depth == 0 else nested(depth - 1)
+
+    assert [nested(depth) for depth in (0, 50, 400)] == [(3, 2)] * 3
+    with pytest.raises(ZeroDivisionError):
+        launch._in_one_stack_chunk(divmod, 1, 0)

@@ -16,10 +16,12 @@ dispatcher on numpy arrays instead.
 import contextlib
 import ctypes
 import functools
+import gc
 import struct
 import sys
 import threading
 import time
+import types
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -183,14 +185,41 @@ _UNFOLLOWED_DEFAULTS = {"debug": (0, False, None), "link": ((), [], None), "exte
                         "inline": ("never",)}
 
 
+def _through(function, *args):
+    return function(*args)
+
+
+# ``_through`` with a frame that reserves 512 KiB of CPython's frame stack (3.11 on) and so starts a 1 MiB
+# chunk of it, which the frames of the call then fill. That stack grows by 16 KiB chunks, each mapped when a
+# call crosses into it and unmapped as soon as that call returns; numba's nested compiles (a kernel, its
+# device functions, their overloads) run their hottest loops across such a boundary, mapping and unmapping
+# a chunk on every call: about 150,000 times and a quarter of a kernel's compile. One chunk holds them all.
+_in_one_stack_chunk = types.FunctionType(_through.__code__.replace(co_stacksize=1 << 16), {})
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off meanwhile: a compile allocates hundreds of thousands of
+    objects, and the full collections they trigger would traverse them all several times over (a tenth of a
+    compile); what is garbage is collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _compile(dispatcher, argtypes, label, cc=None):
     """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
     compute capability ``cc`` (the current device's by default) as numba links it (sm_90a on sm_90, where
     wgmma needs it)."""
     start = time.perf_counter()
     cc = cc or cuda.get_current_device().compute_capability
-    library, entry_name = _lowered(dispatcher, tuple(argtypes), cc, label)
-    cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
+    with _collector_paused():
+        library, entry_name = _in_one_stack_chunk(_lowered, dispatcher, tuple(argtypes), cc, label)
+        cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
     COMPILES.append((label, time.perf_counter() - start))
     return kernel_cache.Entry(label, entry_name, bytes(getattr(cubin, "code", cubin)))  # ObjectCode or bytes
 
