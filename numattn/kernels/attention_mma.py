@@ -35,7 +35,6 @@ from .fragments import ldmatrix_lane, load_a, load_b, load_b_trans
 from .online_softmax import partial_store, seed_sink, softmax_steps
 from .ptx import (
     cluster_sync,
-    cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
     mma_m16n8k16_bf16,
@@ -54,7 +53,7 @@ from .split_merge import (
     split_merger,
     split_run,
 )
-from .tiles import PAD, row_major_cell, tile_copier, tile_view
+from .tiles import PAD, row_major_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
 
@@ -98,7 +97,6 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     K_ROWS, K_ROW = (D, BLOCK_N + PAD) if K_T else (BLOCK_N, D + PAD)  # a K tile's shared-memory shape
     K_OFF = BLOCK_M * Q_ROW
     K_STAGE = K_ROWS * K_ROW
-    K_CHUNKS = BLOCK_N // 8  # 16-byte chunks of keys per head-dim row of a transposed K tile
     STAGES = config.stages
     IN_FLIGHT = STAGES - 1  # key tiles being copied while one is computed on
     V_OFF = K_OFF + STAGES * K_STAGE
@@ -120,6 +118,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
     copy_kv_tile = tile_copier(NUM_THREADS, row_major_cell, source_row(sequences))
+    copy_kt_tile = transposed_key_copier(NUM_THREADS, row_major_cell, D, BLOCK_N)
 
     @cuda.jit(device=True)
     def load_tile_async(dst, src, b, h, row0, nrows, ncols):
@@ -136,10 +135,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
         """The K tile of keys ``n0 ..``: rows of ``k`` or, transposed, runs of 8 keys per head-dim row;
         keys from ``nkeys`` on read 0."""
         if K_T:
-            for i in range(cuda.threadIdx.x, D * K_CHUNKS, NUM_THREADS):
-                d, c = i // K_CHUNKS, (i % K_CHUNKS) * 8
-                keys = min(max(nkeys - n0 - c, 0), 8)
-                cp_async_16(dst, d, c, k, (at, h, d, n0 + c if keys > 0 else 0), 2 * keys)
+            copy_kt_tile(dst, 0, k, at, h, n0, nkeys)
         else:
             copy_kv_tile(dst, 0, dst.shape[0], k, at, h, n0, nkeys, D)
 

@@ -40,7 +40,6 @@ from .ptx import (
     barrier_arrive,
     barrier_sync,
     copy_16_to_global,
-    cp_async_16,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
@@ -66,7 +65,7 @@ from .ptx import (
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
 from .split_merge import SPLIT_ATTENTION_MERGE, last_to_finish, release_counter, split_merger, split_run
-from .tiles import ring_next, sw128_cell, tile_copier, tile_view
+from .tiles import ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
 
@@ -130,7 +129,6 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         raise ValueError(f"key splits take a configuration without a producer warpgroup, got {config}")
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
-    KT_CHUNKS = BLOCK_N // 8  # 16-byte runs of keys per head-dim row of a transposed K tile
     locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
@@ -145,6 +143,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
     load_kv_tile_async = tile_copier(COPIERS, sw128_cell, source_row(sequences), stepping=True,
                                      first_thread=FIRST_COPIER)
+    load_partial_kt_tile_async = transposed_key_copier(COPIERS, sw128_cell, D, BLOCK_N, first_thread=FIRST_COPIER)
 
     @cuda.jit(device=True, forceinline=True)
     def load_kt_tile_async(view, tile_row0, k, at, h, n0, nkeys):
@@ -152,12 +151,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         row ``d`` of the tile holds head-dim row ``d``'s keys, 8 per copy; keys from ``nkeys`` on read 0."""
         if n0 + BLOCK_N <= nkeys:  # a whole tile: D rows of BLOCK_N keys, copied as Q's rows are
             load_tile_async(view, tile_row0, D, k[:, :, :, n0:], at, h, 0, D, BLOCK_N)
-            return
-        for i in range(cuda.threadIdx.x - FIRST_COPIER, D * KT_CHUNKS, COPIERS):
-            d, c = i // KT_CHUNKS, (i % KT_CHUNKS) * 8
-            keys = min(max(nkeys - n0 - c, 0), 8)
-            row, col = sw128_cell(tile_row0, D, d, c)
-            cp_async_16(view, row, col, k, (at, h, d, n0 + c if keys > 0 else 0), 2 * keys)
+        else:
+            load_partial_kt_tile_async(view, tile_row0, k, at, h, n0, nkeys)
 
     @cuda.jit(device=True, forceinline=True)
     def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):

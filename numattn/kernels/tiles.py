@@ -4,7 +4,8 @@
   shared-memory buffer, so kernels index ``k_s[n, d]`` rather than offsets.
 * ``tile_copier`` builds the loop in which a block's threads copy a tile of
   rows from global to shared memory with 16-byte ``cp.async`` copies;
-  ``row_major_cell`` and ``sw128_cell`` say where each element lands.
+  ``row_major_cell`` and ``sw128_cell`` say where each element lands;
+  ``transposed_key_copier`` copies a K tile from K stored transposed.
 * ``sw128_cell`` places an element of a tile stored in wgmma's 128-byte
   swizzled layout (see ``ptx/wgmma.py``) in a 64-column view of shared memory.
 * ``swizzled_rows``, ``tile_row_elems`` and ``tile_col`` lay out 16-bit tiles that
@@ -140,6 +141,26 @@ def tile_copier(num_threads, place, source=row_of_batch, stepping=False, first_t
                 valid = row0 + r < nrows
                 a, row = source(at, row0 + r if valid else 0)
                 cp_async_16(view, view_row, view_col, src, (a, h, row, c), 16 if valid else 0)
+
+    return copy
+
+
+@functools.cache
+def transposed_key_copier(num_threads, place, head_dim, keys, first_thread=0):
+    """Device function ``copy(view, tile_row0, k, at, h, n0, nkeys)`` for ``num_threads`` copying threads,
+    from thread ``first_thread`` of the block on: the K tile of keys ``n0 .. n0 + keys`` from ``k`` stored
+    transposed (``k[at, h, d, n]``, keys contiguous), head-dim row ``d`` (of ``head_dim``) into tile row
+    ``d``, 8 keys per 16-byte ``cp.async`` copy; keys from ``nkeys`` on read 0. Element ``(d, c)`` lands at
+    ``view[place(tile_row0, head_dim, d, c)]``."""
+    NUM_THREADS, FIRST_THREAD, D, CHUNKS = num_threads, first_thread, head_dim, keys // 8
+
+    @cuda.jit(device=True, forceinline=True)
+    def copy(view, tile_row0, k, at, h, n0, nkeys):
+        for i in range(cuda.threadIdx.x - FIRST_THREAD, D * CHUNKS, NUM_THREADS):
+            d, c = i // CHUNKS, (i % CHUNKS) * 8
+            valid = min(max(nkeys - n0 - c, 0), 8)
+            view_row, view_col = place(tile_row0, D, d, c)
+            cp_async_16(view, view_row, view_col, k, (at, h, d, n0 + c if valid > 0 else 0), 2 * valid)
 
     return copy
 
