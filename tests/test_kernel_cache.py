@@ -250,3 +250,21 @@ def test_a_compile_runs_through_one_frame_stack_chunk():
     assert [nested(depth) for depth in (0, 50, 400)] == [(3, 2)] * 3
     with pytest.raises(ZeroDivisionError):
         launch._in_one_stack_chunk(divmod, 1, 0)
+
+
+@pytest.mark.ptx
+def test_the_compile_ahead_worker_needs_no_gpu(cache_dir):
+    """The worker that compiles kernels ahead (``python -m numattn.kernels.compile_ahead``, given the
+    compute capability and the kernels on stdin) compiles them into the cache with no CUDA context: here
+    on a machine without a GPU."""
+    import pickle
+
+    from numattn.ops.backward import _backward_specs
+
+    spec = _backward_specs("bfloat16", 64, 64, True, None)["rows"]
+    job = ((9, 0), [(spec.factory.__module__, spec.factory.__qualname__, spec.args, spec.argtypes, spec.label)])
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "numattn.kernels.compile_ahead"], input=pickle.dumps(job), env=env,
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert [label for _, label, _ in kernel_cache.entries(cache_dir)] == [spec.label]

@@ -7,7 +7,7 @@ then asks for one, it finds it there, or waits on the entry's file lock while th
 Nothing depends on the worker: if it fails or is slow, the caller compiles the kernel itself.
 
 Off in the simulator, with the kernel cache off, and with ``NUMATTN_COMPILE_AHEAD=0``. The worker
-creates a CUDA context on the caller's device while it compiles (a few hundred MB of GPU memory).
+compiles for the caller's device's compute capability and needs no CUDA context: it takes no GPU memory.
 """
 
 import importlib
@@ -17,9 +17,9 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR
 from . import kernel_cache
-from .launch import _compile, compile_into_cache, device_limits, target
+from .launch import compile_into_cache, compiling_for, device_limits, target
 
 _WORKERS = []  # worker processes started by this process, reaped as they finish
 _REQUESTED = set()  # keys of the kernels handed to a worker by this process
@@ -65,21 +65,18 @@ def compile_ahead(specs, device_id):
         return None
     worker = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    worker.stdin.write(pickle.dumps((device_id, missing)))
+    worker.stdin.write(pickle.dumps((cc, missing)))
     worker.stdin.close()
     _WORKERS.append(worker)
     return worker
 
 
-def _work(device_id, kernels):
-    """The worker: compile each kernel into the cache (where another process holds an entry's lock, wait
-    for it and find the entry there)."""
-    with cuda.gpus[device_id]:
-        cc = device_limits(device_id)["cc"]
+def _work(cc, kernels):
+    """The worker: compile each kernel for compute capability ``cc`` into the cache (where another process
+    holds an entry's lock, wait for it and find the entry there)."""
+    with compiling_for(cc):
         for module, qualname, args, argtypes, label in kernels:
-            dispatcher = getattr(importlib.import_module(module), qualname)(*args)
-            key = kernel_cache.kernel_key(dispatcher, argtypes, cc)
-            kernel_cache.cached_kernel(key, lambda d=dispatcher, a=argtypes, n=label: _compile(d, a, n))
+            compile_into_cache(getattr(importlib.import_module(module), qualname)(*args), argtypes, label, cc)
 
 
 if __name__ == "__main__":

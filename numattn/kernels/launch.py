@@ -113,19 +113,29 @@ def targeting(gpu):
     ``device_limits`` gives its properties, ``compiled`` and ``compile_ahead`` compile into the kernel cache
     for its compute capability and launch nothing. Ahead-of-time compiles (``numattn.precompile``) run
     plans under it in a process of their own, with numba's GPU target (not its simulator)."""
-    import numba.cuda.dispatcher
-
     global _TARGET
     if SIMULATOR:
         raise RuntimeError("compiling for a GPU needs numba's GPU target: set NUMBA_ENABLE_CUDASIM=0")
-    present = numba.cuda.dispatcher.get_current_device
-    # numba compiles device functions for its current device's compute capability: the target's
-    numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=gpu.cc, id=0)
     _TARGET = gpu
     try:
-        yield gpu
+        with compiling_for(gpu.cc):
+            yield gpu
     finally:
         _TARGET = None
+
+
+@contextlib.contextmanager
+def compiling_for(cc):
+    """numba compiles device functions for compute capability ``cc`` meanwhile. It compiles them for its
+    current device's, which takes a CUDA context (and a GPU); a kernel's compile for ``cc`` then needs
+    neither."""
+    import numba.cuda.dispatcher
+
+    present = numba.cuda.dispatcher.get_current_device
+    numba.cuda.dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=cc, id=0)
+    try:
+        yield
+    finally:
         numba.cuda.dispatcher.get_current_device = present
 
 
