@@ -21,8 +21,7 @@ import struct
 import sys
 import threading
 import time
-import types
-from types import SimpleNamespace
+from types import FunctionType, SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -204,7 +203,7 @@ def _through(function, *args):
 # call crosses into it and unmapped as soon as that call returns; numba's nested compiles (a kernel, its
 # device functions, their overloads) run their hottest loops across such a boundary, mapping and unmapping
 # a chunk on every call: about 150,000 times and a quarter of a kernel's compile. One chunk holds them all.
-_in_one_stack_chunk = types.FunctionType(_through.__code__.replace(co_stacksize=1 << 16), {})
+_in_one_stack_chunk = FunctionType(_through.__code__.replace(co_stacksize=1 << 16), {})
 
 
 @contextlib.contextmanager
