@@ -215,7 +215,9 @@ def _plan_for(w, gpu):
 def _call(w):
     import numpy as np
 
-    import numattn
+    from .ops.attention import attention
+    from .ops.decode import decode, paged_decode
+    from .ops.mla import mla_decode
 
     torch = _torch_on_gpu()
     rng = np.random.default_rng(0)
@@ -232,29 +234,29 @@ def _call(w):
 
     b, hq, hkv, d, length = w.batch, w.heads_q, w.heads_kv, w.head_dim, w.seqlen
     if w.op == "attention":
-        numattn.attention(array(b, hq, length, d), array(b, hkv, length, d), array(b, hkv, length, d), causal=w.causal)
+        attention(array(b, hq, length, d), array(b, hkv, length, d), array(b, hkv, length, d), causal=w.causal)
     elif w.op == "decode":
-        numattn.decode(array(b, hq, d), array(b, hkv, length, d), array(b, hkv, length, d),
+        decode(array(b, hq, d), array(b, hkv, length, d), array(b, hkv, length, d),
                        seqlens=ints(np.full(b, length)))
     elif w.op == "paged_decode":
         pages = -(-length // w.page_size)
         table = ints(np.arange(b * pages).reshape(b, pages))
-        numattn.paged_decode(array(b, hq, d), array(b * pages, w.page_size, hkv, d),
+        paged_decode(array(b, hq, d), array(b * pages, w.page_size, hkv, d),
                              array(b * pages, w.page_size, hkv, d), table, ints(np.full(b, length)))
     elif w.op == "mla_decode":
         pages = -(-length // w.page_size)
-        numattn.mla_decode(array(b, hq, d), array(b, hq, w.rope_dim), array(b * pages, w.page_size, d),
+        mla_decode(array(b, hq, d), array(b, hq, w.rope_dim), array(b * pages, w.page_size, d),
                            array(b * pages, w.page_size, w.rope_dim), ints(np.arange(b * pages).reshape(b, pages)),
                            ints(np.full(b, length)), scale=1.0 / np.sqrt(d + w.rope_dim))
     else:  # train
         import torch as torch_module
 
-        import numattn.torch
+        from .torch import attention as trained_attention
 
         device = "cuda" if torch is not None else "cpu"
         q, k, v = (torch_module.randn(b, h, length, d, device=device, dtype=getattr(torch_module, w.dtype),
                                       requires_grad=True) for h in (hq, hkv, hkv))
-        numattn.torch.attention(q, k, v, causal=w.causal).sum().backward()
+        trained_attention(q, k, v, causal=w.causal).sum().backward()
     if torch is not None:
         torch.cuda.synchronize()
 
