@@ -236,18 +236,17 @@ def _call(w):
     if w.op == "attention":
         attention(array(b, hq, length, d), array(b, hkv, length, d), array(b, hkv, length, d), causal=w.causal)
     elif w.op == "decode":
-        decode(array(b, hq, d), array(b, hkv, length, d), array(b, hkv, length, d),
-                       seqlens=ints(np.full(b, length)))
+        decode(array(b, hq, d), array(b, hkv, length, d), array(b, hkv, length, d), seqlens=ints(np.full(b, length)))
     elif w.op == "paged_decode":
         pages = -(-length // w.page_size)
         table = ints(np.arange(b * pages).reshape(b, pages))
-        paged_decode(array(b, hq, d), array(b * pages, w.page_size, hkv, d),
-                             array(b * pages, w.page_size, hkv, d), table, ints(np.full(b, length)))
+        paged_decode(array(b, hq, d), array(b * pages, w.page_size, hkv, d), array(b * pages, w.page_size, hkv, d),
+                     table, ints(np.full(b, length)))
     elif w.op == "mla_decode":
         pages = -(-length // w.page_size)
         mla_decode(array(b, hq, d), array(b, hq, w.rope_dim), array(b * pages, w.page_size, d),
-                           array(b * pages, w.page_size, w.rope_dim), ints(np.arange(b * pages).reshape(b, pages)),
-                           ints(np.full(b, length)), scale=1.0 / np.sqrt(d + w.rope_dim))
+                   array(b * pages, w.page_size, w.rope_dim), ints(np.arange(b * pages).reshape(b, pages)),
+                   ints(np.full(b, length)), scale=1.0 / np.sqrt(d + w.rope_dim))
     else:  # train
         import torch as torch_module
 
