@@ -1,5 +1,6 @@
-"""The compiled-kernel cache on disk: keys, damaged entries, processes sharing it, the off switch.
-(That a kernel loaded from it equals a fresh compile is checked on the GPU, in test_gpu.py.)"""
+"""The compiled-kernel cache on disk: keys, damaged entries, processes sharing it, the off switch; the compile
+that fills it, and the worker that compiles ahead into it. (That a kernel loaded from the cache equals a fresh
+compile is checked on the GPU, in test_gpu.py.)"""
 
 import gc
 import os
