@@ -256,14 +256,14 @@ def test_a_compile_runs_through_one_frame_stack_chunk():
 @pytest.mark.ptx
 def test_the_compile_ahead_worker_needs_no_gpu(cache_dir):
     """The worker that compiles kernels ahead (``python -m numattn.kernels.compile_ahead``, given the
-    compute capability and the kernels on stdin) compiles them into the cache with no CUDA context: here
+    compute capability and the kernel specs on stdin) compiles them into the cache with no CUDA context: here
     on a machine without a GPU."""
     import pickle
 
     from numattn.ops.backward import _backward_specs
 
     spec = _backward_specs("bfloat16", 64, 64, True, None)["rows"]
-    job = ((9, 0), [(spec.factory.__module__, spec.factory.__qualname__, spec.args, spec.argtypes, spec.label)])
+    job = ((9, 0), [spec])
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run([sys.executable, "-m", "numattn.kernels.compile_ahead"], input=pickle.dumps(job), env=env,
                           capture_output=True, timeout=600)

@@ -44,15 +44,7 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
-from .split_merge import (
-    SPLIT_ATTENTION_MERGE,
-    cluster_merger,
-    cluster_stage_cols,
-    last_to_finish,
-    release_counter,
-    split_merger,
-    split_run,
-)
+from .split_merge import cluster_merger, cluster_stage_cols, split_finisher, split_run
 from .tiles import PAD, row_major_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
@@ -113,7 +105,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype,
                                                                             mods=mods)
     store_partial = partial_store(WARP_M, DTILES, staged=CLUSTER)
-    merge_splits = split_merger(dtype, DV, None, write_lse, SPLIT_ATTENTION_MERGE)
+    finish_split = split_finisher(store_partial, dtype, DV, BLOCK_M, write_lse)
     merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
@@ -274,11 +266,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, cuda.gridDim.y, cuda.blockIdx.y)
             cluster_sync()  # no block leaves while another reads its shared memory
         elif SPLIT:
-            o_part, lse_part, counters = parts
-            store_partial(o_part, lse_part, acc, m_i, l_i, b, h, m0 + warp_row0, seqlen_q, cuda.blockIdx.y, g, t)
-            if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
-                merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
-                release_counter(counters, 0, cuda.blockIdx.x)
+            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, m0 + warp_row0, seqlen_q, g, t)
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
             store(o, acc, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)

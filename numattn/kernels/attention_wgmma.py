@@ -64,7 +64,7 @@ from .ptx import (
 )
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
-from .split_merge import SPLIT_ATTENTION_MERGE, last_to_finish, release_counter, split_merger, split_run
+from .split_merge import split_finisher, split_run
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
@@ -136,8 +136,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype,
                                                                             mods=mods, fold_scale=True)
     pack_p = p_fragments(PSTEPS, dtype)
-    store_partial = partial_store(1, DTILES)
-    merge_splits = split_merger(dtype, DV, None, write_lse, SPLIT_ATTENTION_MERGE)
+    finish_split = split_finisher(partial_store(1, DTILES), dtype, DV, BLOCK_M, write_lse)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
@@ -354,11 +353,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             fence_registers(acc, O_REGS)
 
         if SPLIT:
-            o_part, lse_part, counters = parts
-            store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, cuda.blockIdx.y, g, t)
-            if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
-                merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
-                release_counter(counters, 0, cuda.blockIdx.x)
+            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t)
             return
         normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
         if STAGED:

@@ -10,7 +10,6 @@ Off in the simulator, with the kernel cache off, and with ``NUMATTN_COMPILE_AHEA
 compiles for the caller's device's compute capability and needs no CUDA context: it takes no GPU memory.
 """
 
-import importlib
 import os
 import pickle
 import subprocess
@@ -48,8 +47,7 @@ def compile_ahead(specs, device_id):
     ``subprocess.Popen``), or None when nothing is to be done. While ``launch.targeting`` a GPU, compile
     them into the cache here and now."""
     if target() is not None:
-        for spec in specs:
-            compile_into_cache(spec.factory(*spec.args), spec.argtypes, spec.label, target().cc)
+        _compile_all(specs, target().cc)
         return None
     if not enabled():
         return None
@@ -59,7 +57,7 @@ def compile_ahead(specs, device_id):
         key = kernel_cache.kernel_key(spec.factory(*spec.args), spec.argtypes, cc)
         if key is not None and key not in _REQUESTED and not (directory / (key + kernel_cache.SUFFIX)).exists():
             _REQUESTED.add(key)
-            missing.append((spec.factory.__module__, spec.factory.__qualname__, spec.args, spec.argtypes, spec.label))
+            missing.append(spec)
     _WORKERS[:] = [worker for worker in _WORKERS if worker.poll() is None]
     if not missing:
         return None
@@ -71,12 +69,17 @@ def compile_ahead(specs, device_id):
     return worker
 
 
-def _work(cc, kernels):
-    """The worker: compile each kernel for compute capability ``cc`` into the cache (where another process
-    holds an entry's lock, wait for it and find the entry there)."""
+def _compile_all(specs, cc):
+    """Compile each ``KernelSpec`` for compute capability ``cc`` into the cache (where another process holds
+    an entry's lock, wait for it and find the entry there)."""
+    for spec in specs:
+        compile_into_cache(spec.factory(*spec.args), spec.argtypes, spec.label, cc)
+
+
+def _work(cc, specs):
+    """The worker: ``specs`` (their factories pickled by name) compiled for ``cc`` without a CUDA context."""
     with compiling_for(cc):
-        for module, qualname, args, argtypes, label in kernels:
-            compile_into_cache(getattr(importlib.import_module(module), qualname)(*args), argtypes, label, cc)
+        _compile_all(specs, cc)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,26 @@ def split_run(first, n_blocks, tiles, block_n):
     return first + taken * block_n, max(0, min(n_blocks - taken, per_split))
 
 
+def split_finisher(store_partial, dtype, head_dim_v, block_m, write_lse):
+    """Device function ``finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t)``: the end
+    of an attention block of a split launch (workspace ``parts = (o_part, lse_part, counters)``): its partial
+    result stored (``store_partial`` of ``online_softmax.partial_store``, from the warp's first row ``row0``),
+    then, in the query tile's last block to finish, the merge of the splits into rows ``m0 ..
+    m0 + block_m`` of ``o`` (and ``lse``)."""
+    merge_splits = split_merger(dtype, head_dim_v, None, write_lse, SPLIT_ATTENTION_MERGE)
+    BLOCK_M = block_m
+
+    @cuda.jit(device=True, forceinline=True)
+    def finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t):
+        o_part, lse_part, counters = parts
+        store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, cuda.blockIdx.y, g, t)
+        if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
+            merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
+            release_counter(counters, 0, cuda.blockIdx.x)
+
+    return finish_split
+
+
 @cuda.jit(device=True, forceinline=True)
 def release_counter(counters, counter_row, counter_col):
     """The last block's closing step, after its merge: the counter of ``last_to_finish`` goes back to 0
