@@ -318,6 +318,46 @@ def test_tune_decode_and_mla_decode(tmp_path, monkeypatch, rng):
         mi.tune(print, q)
 
 
+def test_tune_takes_the_score_options_and_keys_their_configurations_apart(tmp_path, monkeypatch, rng):
+    """numattn.tune takes attention's and decode's score options (window, softcap, ALiBi, sinks); what it
+    stores for a call with them is found by that call and not by the same shapes without them."""
+    from numattn.ops import attention as attention_module
+    from numattn.ops import decode as decode_module
+    from numattn.tuning.store import tuned_config
+
+    def halves(*shape):
+        return rng.uniform(-1, 1, shape).astype(np.float16)
+
+    def per_head(heads):
+        return rng.uniform(-1, 1, heads).astype(np.float32), rng.uniform(0.1, 0.5, heads).astype(np.float32)
+
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q, k, v = halves(1, 2, 24, 32), halves(1, 1, 70, 32), halves(1, 1, 70, 32)
+    sinks, slopes = per_head(2)
+    options = {"window": (16, 0), "softcap": 5.0, "alibi_slopes": slopes, "sinks": sinks}
+    table = mi.tune(q, k, v, causal=True, scale=0.2, **options)
+    assert any(row["verified"] for row in table)
+    with_options = attention_module.validate(q, k, v, None, True, 0.2, "bhsd", False, *options.values())
+    plain = attention_module.validate(q, k, v, None, True, 0.2, "bhsd", False)
+    assert tuned_config("attention", with_options, attention_module.tuning_options) is not None
+    assert tuned_config("attention", plain, attention_module.tuning_options) is None
+    np.testing.assert_allclose(mi.attention(q, k, v, causal=True, scale=0.2, **options).astype(np.float64),
+                               mi.reference.attention(q, k, v, causal=True, scale=0.2, **options), atol=2e-3)
+
+    q, k, v = halves(1, 4, 1, 16), halves(1, 2, 128, 16), halves(1, 2, 128, 16)
+    sinks, slopes = per_head(4)
+    options = {"window": (40, 0), "softcap": 5.0, "alibi_slopes": slopes, "sinks": sinks}
+    table = mi.tune(mi.decode, q, k, v, scale=0.3, **options)
+    assert all(row["verified"] for row in table)
+    with_options = decode_module.validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False, None, *options.values())
+    plain = decode_module.validate_decode_args(q, k, v, None, None, 0.3, "bhsd", False)
+    fastest = min(table, key=lambda row: row["seconds"])
+    assert tuned_config("decode", with_options, decode_module.tuning_options) == (None, fastest["splits"])
+    assert tuned_config("decode", plain, decode_module.tuning_options) is None
+    np.testing.assert_allclose(mi.decode(q, k, v, scale=0.3, **options).astype(np.float64),
+                               mi.reference.attention(q, k, v, scale=0.3, **options), atol=2e-3)
+
+
 def test_mla_tuning_candidates_hold_the_default(rng):
     """Tuning mla_decode also tries the default's persistent grid (on sm_90, the simulator's), without key
     splits only, where it takes the heads (at most 32); the other candidates with the split counts."""

@@ -96,20 +96,25 @@ def _first(result):
 
 
 # -- adapters: (kind, problem, [(config, splits, modelled seconds)], make(config, splits) → a call) ---
-def _attention_candidates(q, k, v, *, causal=False, scale=None, layout="bhsd", return_lse=False):
-    q, k, v = (attention_op.from_dlpack(x) for x in (q, k, v))
-    p = attention_op.validate(q, k, v, None, causal, scale, layout, return_lse)
+def _attention_candidates(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, sinks=None,
+                          scale=None, layout="bhsd", return_lse=False):
+    q, k, v, alibi_slopes, sinks = (attention_op.from_dlpack(x) if x is not None else None
+                                    for x in (q, k, v, alibi_slopes, sinks))
+    p = attention_op.validate(q, k, v, None, causal, scale, layout, return_lse, window, softcap, alibi_slopes, sinks)
 
     def make(config, splits):
         plan = attention_op.make_plan(p, config, splits or 1)
-        return lambda: _first(plan(q, k, v, None))
+        return lambda: _first(plan(q, k, v, None, alibi_slopes, sinks))
 
     return "attention", p, attention_op.tuning_options(p), make
 
 
-def _decode_like(kind, arrays, options, validate):
-    arrays = [decode_op.from_dlpack(x) if x is not None else None for x in arrays]
-    p = validate(*arrays, *options)
+def _decode_like(kind, arrays, options, score_options, validate):
+    """``arrays``: q, the caches, the page table and seqlens; ``options``: scale, layout and return_lse;
+    ``score_options``: window, softcap, alibi_slopes and sinks."""
+    window, softcap, alibi_slopes, sinks = score_options
+    arrays = [decode_op.from_dlpack(x) if x is not None else None for x in (*arrays, alibi_slopes, sinks)]
+    p = validate(*arrays[:5], *options, None, window, softcap, *arrays[5:])
 
     def make(config, splits):
         plan = decode_op.make_plan(p, splits)
@@ -118,14 +123,16 @@ def _decode_like(kind, arrays, options, validate):
     return kind, p, decode_op.tuning_options(p), make
 
 
-def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, layout="bhsd", return_lse=False):
+def _decode_candidates(q, k_cache, v_cache, *, seqlens=None, scale=None, window=None, softcap=None,
+                       alibi_slopes=None, sinks=None, layout="bhsd", return_lse=False):
     return _decode_like("decode", (q, k_cache, v_cache, None, seqlens), (scale, layout, return_lse),
-                        decode_op.validate_decode_args)
+                        (window, softcap, alibi_slopes, sinks), decode_op.validate_decode_args)
 
 
-def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, kv_layout="nhd", return_lse=False):
+def _paged_candidates(q, k_pages, v_pages, page_table, seqlens, *, scale=None, window=None, softcap=None,
+                      alibi_slopes=None, sinks=None, kv_layout="nhd", return_lse=False):
     return _decode_like("decode", (q, k_pages, v_pages, page_table, seqlens), (scale, kv_layout, return_lse),
-                        decode_op.validate_paged_args)
+                        (window, softcap, alibi_slopes, sinks), decode_op.validate_paged_args)
 
 
 def _mla_candidates(q_nope, q_pe, ckv_cache, kpe_cache, page_table, seqlens, *, scale, return_lse=False):

@@ -14,16 +14,18 @@ from . import cache
 
 
 def problem_key(kind, problem):
-    """Cache key of one problem of function ``kind``: what picks and constrains its kernels, the device,
-    the numattn version and the kernel sources (a configuration tuned for other kernels is not reused)."""
+    """Cache key of one problem of function ``kind``: what picks and constrains its kernels (the score
+    modifications and the window's sides among them), the device, the numattn version and the kernel sources
+    (a configuration tuned for other kernels is not reused)."""
     p = problem
     device = device_limits(0 if p.device is None else p.device)
     if kind == "attention":
         fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_kv, p.head_dim, p.head_dim_v, p.causal,
-                  p.vector_loads, p.transposed_k_loads, p.aligned_out)
+                  p.vector_loads, p.transposed_k_loads, p.aligned_out, str(p.options.mods), p.options.window)
     elif kind == "decode":
         fields = (p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.head_dim, p.head_dim_v, p.capacity, p.k.shape,
-                  p.page_table is not None, p.seqlens is not None, p.vector_loads)
+                  p.page_table is not None, p.seqlens is not None, p.vector_loads, str(p.options.mods),
+                  p.options.window)
     else:  # mla_decode
         fields = (p.batch, p.heads, p.rank, p.rope, p.page_size, p.max_pages)
     text = repr((kind, *fields, p.dtype, p.return_lse, device["name"], device["cc"], __version__, source_digest()))
