@@ -136,6 +136,32 @@ def test_gpu_kernels_in_the_simulator(rng, kernel):
             check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=table_arg, **options)
 
 
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_key_splits_of_packed_sequences_in_the_simulator(rng, kernel):
+    """The tensor-core kernels with each query tile's keys split into runs, merged by its last block into the
+    sequence's rows of the packed output: packed and paged keys, empty and one-row sequences, every option;
+    five runs take the merge's rounds of four twice, and runs past a sequence's keys see none."""
+    from numattn.ops.attention import make_plan
+    from numattn.ops.varlen import validate_varlen
+
+    config, dtype = kernels()[kernel]
+    lengths_q, lengths_k = [3, 0, 19, 1], [4, 2, 70, 0]
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, 64)
+    k_pages, v_pages, table, used = paged(rng, lengths_k, 5, 1, 64)
+    q, k, v, k_pages, v_pages = as_dtype([q, k, v, k_pages, v_pages], dtype)
+    options = resolved(rng, OPTION_SETS[5], 4, 2)
+    alibi, sinks = options.get("alibi_slopes"), options.get("sinks")
+    splits = 3 if kernel == "wgmma" else 5  # 5 key tiles: runs of 2, 2 and 1 tiles; a tile each
+    for args, seqused, table_arg in (((q, k, v, cu_q, cu_k), None, None),
+                                     ((q, k_pages, v_pages, cu_q, None), used, table)):
+        problem = validate_varlen(*args, 19, 70, None, True, None, True, options.get("window"),
+                                  options.get("softcap"), alibi, sinks, table_arg, seqused)
+        plan = make_plan(problem, config, splits)
+        assert plan.splits == splits
+        o, lse = plan(*args[:3], None, alibi, sinks, *args[3:], seqused, table_arg)
+        check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=table_arg, **options)
+
+
 def test_keys_of_other_sequences_and_unused_pages_are_never_read(rng):
     """NaN in the keys and values outside every sequence's range (past ``seqused_k``, in pages no sequence
     uses) leave the output finite: no kernel reads them."""
@@ -331,6 +357,37 @@ def test_bad_paged_arguments_name_the_argument(rng, change, error, match):
     arguments.update(change)
     with pytest.raises(error, match=match):
         numattn.attention_varlen(**arguments)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, head_dim", [("bfloat16", 128), ("float16", 64)])
+def test_key_splits_of_packed_sequences_on_gpu(rng, dtype, head_dim):
+    """On the GPU: a few sequences of few queries over many keys (chunked prefill), packed and paged, with a
+    query tile's keys split into runs by the tensor-core kernel of the device (the wgmma kernel without a
+    producer on sm_90, else mma.sync); outputs poisoned, against the float64 reference."""
+    torch = pytest.importorskip("torch")
+    from numattn.configs.attention import MmaConfig, WgmmaConfig
+    from numattn.ops.attention import make_plan
+    from numattn.ops.varlen import validate_varlen
+
+    config = WgmmaConfig(128, 2, 3) if torch.cuda.get_device_capability() == (9, 0) else MmaConfig(64, 4, 1, True, 2)
+    lengths_q, lengths_k = [130, 0, 1, 64], [3000, 7, 1200, 4096]
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 8, 2, head_dim)
+    k_pages, v_pages, table, used = paged(rng, lengths_k, 16, 2, head_dim)
+    q_t, k_t, v_t, kp_t, vp_t = (torch.from_numpy(x).to(getattr(torch, dtype)).cuda()
+                                 for x in (q, k, v, k_pages, v_pages))
+    cu_q_t, cu_k_t, table_t, used_t = (torch.from_numpy(x).cuda() for x in (cu_q, cu_k, table, used))
+    for options in (dict(causal=True), dict(causal=True, window=(700, 0), softcap=20.0, sinks=torch.randn(8, device="cuda"))):
+        sinks = options.get("sinks")
+        for args, seqused, page_table in (((q_t, k_t, v_t, cu_q_t, cu_k_t), None, None),
+                                          ((q_t, kp_t, vp_t, cu_q_t, None), used_t, table_t)):
+            problem = validate_varlen(*args, 130, 4096, None, options["causal"], None, True, options.get("window"),
+                                      options.get("softcap"), None, sinks, page_table, seqused)
+            for splits in (1, 4, 7):
+                out = torch.full_like(q_t, float("nan"))  # poisoned
+                o, lse = make_plan(problem, config, splits)(*args[:3], out, None, sinks, *args[3:], seqused,
+                                                            page_table)
+                check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=page_table, **options)
 
 
 @pytest.mark.gpu

@@ -64,7 +64,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     With ``split`` the kernel is ``kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, ...)``
     and the grid ``(cdiv(Sq, block_m) · B · Hq, S)``: block ``(x, s)`` visits the
     ``s``-th of S equal runs of key tiles (of the window's, with a window; the sink counts in run 0) and writes the float32 partials
-    ``o_part [B, Hq, Sq, S, Dv]`` (normalized within the split) and
+    ``o_part [B, Hq, Sq, S, Dv]`` (normalized within the split; varlen: B sequences of at most Sq rows) and
     ``lse_part [B, Hq, Sq, S]`` (log2 domain); the last of a query tile's S blocks
     to finish (``counters [1, cdiv(Sq, block_m) · B · Hq]`` int32, zero at launch
     and left zero) merges them into ``o`` and ``lse``.
@@ -95,8 +95,8 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     V_STAGE = BLOCK_N * V_ROW
     CAUSAL, WRITE_LSE, SPLIT, CLUSTER = causal, write_lse, split, split and cluster_merge
     VARLEN = sequences.varlen
-    if VARLEN and (split or k_transposed):
-        raise ValueError("variable-length sequences take neither key splits nor a transposed K")
+    if VARLEN and (cluster_merge or k_transposed):
+        raise ValueError("variable-length sequences take neither a cluster merge nor a transposed K")
     locate = block_locator(sequences)
     WINDOW, ALIBI, SINKS = mods.window, mods.alibi, mods.sinks
     STAGE_COLS = cluster_stage_cols(DV)
@@ -105,7 +105,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(WARP_M, NTILES, DTILES, causal, dtype,
                                                                             mods=mods)
     store_partial = partial_store(WARP_M, DTILES, staged=CLUSTER)
-    finish_split = split_finisher(store_partial, dtype, DV, BLOCK_M, write_lse)
+    finish_split = split_finisher(store_partial, dtype, DV, BLOCK_M, write_lse, sequences.varlen)
     merge_cluster = cluster_merger(dtype, DV, BLOCK_M, write_lse)
 
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
@@ -266,7 +266,7 @@ def mma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse,
             merge_cluster(o_s, lse_s, o, lse, b, h, m0, seqlen_q, cuda.gridDim.y, cuda.blockIdx.y)
             cluster_sync()  # no block leaves while another reads its shared memory
         elif SPLIT:
-            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, m0 + warp_row0, seqlen_q, g, t)
+            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, m0 + warp_row0, seqlen_q, q_at, q_row0, g, t)
         else:
             normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)
             store(o, acc, q_at, h, q_row0 + m0 + warp_row0, q_row0 + seqlen_q, g, t)

@@ -136,7 +136,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     init, scale_and_mask, update, rescale, normalize, store = softmax_steps(1, NTILES, DTILES, causal, dtype,
                                                                             mods=mods, fold_scale=True)
     pack_p = p_fragments(PSTEPS, dtype)
-    finish_split = split_finisher(partial_store(1, DTILES), dtype, DV, BLOCK_M, write_lse)
+    finish_split = split_finisher(partial_store(1, DTILES), dtype, DV, BLOCK_M, write_lse, sequences.varlen)
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
@@ -353,7 +353,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             fence_registers(acc, O_REGS)
 
         if SPLIT:
-            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t)
+            finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, q_at, q_row0, g, t)
             return
         normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
         if STAGED:

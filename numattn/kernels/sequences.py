@@ -199,12 +199,13 @@ def forward_kernel(attend, layout, split=False):
     """The kernel function of a forward's body ``attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right,
     cap_log2, cap_slope, sequences, parts)``: with a varlen ``layout`` it takes the four arrays of the module
     docstring after the other arguments (``sequences``, else ``()``); with ``split`` (a launch whose blocks split
-    the keys, dense layouts only) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else
-    ``()``)."""
-    if split:
-        if layout.varlen:
-            raise ValueError("variable-length sequences take no key splits")
-
+    the keys) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else ``()``)."""
+    if split and layout.varlen:
+        def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), (o_part, lse_part, counters))
+    elif split:
         def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (),

@@ -59,21 +59,26 @@ def split_run(first, n_blocks, tiles, block_n):
     return first + taken * block_n, max(0, min(n_blocks - taken, per_split))
 
 
-def split_finisher(store_partial, dtype, head_dim_v, block_m, write_lse):
-    """Device function ``finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t)``: the end
-    of an attention block of a split launch (workspace ``parts = (o_part, lse_part, counters)``): its partial
-    result stored (``store_partial`` of ``online_softmax.partial_store``, from the warp's first row ``row0``),
-    then, in the query tile's last block to finish, the merge of the splits into rows ``m0 ..
-    m0 + block_m`` of ``o`` (and ``lse``)."""
+def split_finisher(store_partial, dtype, head_dim_v, block_m, write_lse, varlen=False):
+    """Device function ``finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, q_at, q_row0, g, t)``:
+    the end of an attention block of a split launch (workspace ``parts = (o_part, lse_part, counters)``, rows
+    of sequence ``b``): its partial result stored (``store_partial`` of ``online_softmax.partial_store``, from
+    the warp's first row ``row0``), then, in the query tile's last block to finish, the merge of the splits
+    into rows ``m0 .. m0 + block_m`` of ``o`` (and ``lse``): of ``o[b]``, or with ``varlen`` rows
+    ``q_row0 + m0 ..`` of the packed ``o[q_at]``."""
     merge_splits = split_merger(dtype, head_dim_v, None, write_lse, SPLIT_ATTENTION_MERGE)
-    BLOCK_M = block_m
+    BLOCK_M, VARLEN = block_m, varlen
 
     @cuda.jit(device=True, forceinline=True)
-    def finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, g, t):
+    def finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, q_at, q_row0, g, t):
         o_part, lse_part, counters = parts
         store_partial(o_part, lse_part, acc, m_i, l_i, b, h, row0, seqlen_q, cuda.blockIdx.y, g, t)
         if last_to_finish(counters, 0, cuda.blockIdx.x, cuda.gridDim.y):
-            merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
+            if VARLEN:  # the sequence's partials, as batch 0 of views, into its rows of the packed output
+                merge_splits(o_part[b:b + 1], lse_part[b:b + 1], o[q_at:q_at + 1, :, q_row0:],
+                             lse[q_at:q_at + 1, :, q_row0:], 0, h, m0, min(BLOCK_M, seqlen_q - m0))
+            else:
+                merge_splits(o_part, lse_part, o, lse, b, h, m0, min(BLOCK_M, seqlen_q - m0))
             release_counter(counters, 0, cuda.blockIdx.x)
 
     return finish_split

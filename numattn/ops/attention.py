@@ -324,10 +324,8 @@ def _attention_kernel(p, device, config=None, splits=1):
         flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
-                 "cluster_merge": cluster_merges(blocks, splits, limits)}
+                 "cluster_merge": p.sequences is None and cluster_merges(blocks, splits, limits)}
     if p.sequences is not None:
-        if splits > 1:
-            raise ValueError("variable-length sequences take no key splits")
         flags["sequences"] = p.sequences.layout
     dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags,
                                 mods=p.options.mods)
