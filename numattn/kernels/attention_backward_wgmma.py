@@ -154,10 +154,12 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
         the computing warpgroups are done with the stage's previous tile; one tile behind, each staged dQ tile's
         rows added to the accumulator (row ``reduced_row`` by each ``reducer``) and its buffer given back."""
-        copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-        copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
-        head, m_tile, stage, parity = 0, 0, 0, 0  # the tile to copy
-        added_head, added_tile, buffer, buffer_parity = 0, 0, 0, 0  # the tile whose dQ to add
+        # typed, not literal, rows and counters: numba would type and lower the callees once more for literals
+        copy_tile(view, int64(K_ROW0), BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(view, int64(V_ROW0), BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+        head, m_tile, stage, parity = int64(0), int64(0), int64(0), int64(0)  # the tile to copy
+        # the tile whose dQ to add
+        added_head, added_tile, buffer, buffer_parity = int64(0), int64(0), int64(0), int64(0)
         for it in range(n_iters + 1):
             if it < n_iters:  # copy tile it
                 if it >= STAGES:
@@ -230,8 +232,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 return
             grow_registers(CONSUMER_REGISTERS)
         else:
-            copy_tile(view, K_ROW0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-            copy_tile(view, V_ROW0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+            copy_tile(view, int64(K_ROW0), BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+            copy_tile(view, int64(V_ROW0), BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
             if n_iters > 0:
                 load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
             cp_async_commit()
@@ -255,7 +257,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
 
         # iteration it's query head within the group and query tile (it // m_tiles, it % m_tiles), its query
         # stage and dQ buffer with the parities of their uses, counted along rather than divided out
-        head, m_tile, stage, parity, dq_buffer, dq_parity = 0, 0, 0, 0, 0, 0
+        head, m_tile, stage, parity = int64(0), int64(0), int64(0), int64(0)  # typed, as in produce
+        dq_buffer, dq_parity = int64(0), int64(0)
         for it in range(n_iters):
             next_head, next_tile = next_query_tile(head, m_tile, m_tiles)
             next_stage, next_parity = ring_next(stage, parity, STAGES)
@@ -329,7 +332,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
             # queries 16kk + 8(i // 2) ..), stored transposed; lane 8i + j addresses query row j of block i
             for kk in range(MSTEPS):
-                row, col = sw128_cell(DS_ROW0, BLOCK_M, 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
+                row, col = sw128_cell(int64(DS_ROW0), BLOCK_M, 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
                 stmatrix_x4_trans(view, row, col, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3])
             fence_proxy_async()
             if PRODUCER:
