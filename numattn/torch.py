@@ -22,8 +22,10 @@ _DTYPES = ("float16", "bfloat16", "float32")
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, causal, scale, window, softcap, alibi_slopes):
-        options = score_options(window, softcap, alibi_slopes, sinks, causal, q.shape[0], q.shape[1],
-                                describe(q, "q").device)
+        options = None
+        if q.dim() == 4:  # else the forward's validation below names q's rank
+            options = score_options(window, softcap, alibi_slopes, sinks, causal, q.shape[0], q.shape[1],
+                                    describe(q, "q").device)
         dtype = str(q.dtype).removeprefix("torch.")
         if any(ctx.needs_input_grad[:3]) and q.is_cuda and dtype in _DTYPES and q.dim() == v.dim() == 4:
             # the backward's kernels compile in a worker process while this process compiles the forward's
@@ -53,11 +55,11 @@ class _AttentionVarlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
                 softcap, alibi_slopes):
-        options = score_options(window, softcap, alibi_slopes, sinks, causal, cu_seqlens_q.shape[0] - 1, q.shape[1],
-                                describe(q, "q").device)
         o, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, scale=scale,
-                                   return_lse=True)
+                                   return_lse=True)  # validates every argument
+        options = score_options(window, softcap, alibi_slopes, sinks, causal, cu_seqlens_q.shape[0] - 1, q.shape[1],
+                                describe(q, "q").device)
         ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, sinks, cu_seqlens_q, cu_seqlens_k)
         ctx.causal, ctx.scale, ctx.options = causal, softmax_scale(scale, q.shape[-1]), options
         ctx.max_seqlen_k = max_seqlen_k
@@ -111,8 +113,8 @@ def attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", causal: b
     TypeError, ValueError
         As ``numattn.attention`` does; TypeError for arguments that are not torch tensors.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
+    for name, x in (("q", q), ("k", k), ("v", v), ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if not isinstance(x, torch.Tensor) and (x is not None or name in "qkv"):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (numattn.attention takes "
                             "other arrays, without gradients)")
     if not isinstance(causal, (bool, np.bool_)):
@@ -163,8 +165,9 @@ def attention_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu
     >>> q.grad.shape
     torch.Size([8, 2, 16])
     """
-    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(x, torch.Tensor):
+    for name, x in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                    ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if not isinstance(x, torch.Tensor) and (x is not None or name not in ("alibi_slopes", "sinks")):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__} (numattn.attention_varlen takes "
                             "other arrays, without gradients)")
     if not isinstance(causal, (bool, np.bool_)):
@@ -192,8 +195,9 @@ class GroupedQueryAttention(torch.nn.Module):
                 raise ValueError(f"{name} must be positive, got {value}")
         if dim % heads or heads % kv_heads:
             raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads}), heads of kv_heads ({kv_heads})")
-        if not isinstance(causal, bool):
+        if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        causal = bool(causal)
         self.dim, self.heads, self.kv_heads, self.head_dim, self.causal = dim, heads, kv_heads, dim // heads, causal
         window_bounds(window, causal)  # a bad window fails here, not at the first forward
         self.window, self.softcap = window, softcap_value(softcap)

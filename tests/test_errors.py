@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import numattn
+import numattn.torch as numattn_torch
 
 pytestmark = pytest.mark.sim
 
@@ -131,6 +132,43 @@ def test_tensors_requiring_grad_point_to_the_autograd_function(rng):
         numattn.attention(q, k, v)
     with torch.no_grad():
         assert numattn.attention(q, k, v).shape == (1, 2, 4, 16)
+
+
+def test_the_autograd_functions_name_their_bad_arguments(rng):
+    """``numattn.torch``: slopes and sinks must be torch tensors (a numpy array was refused by torch's own
+    saving for the backward, naming nothing); a q of the wrong rank is named as such, gradients or not;
+    ``GroupedQueryAttention`` takes numpy bools as the functions do."""
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 16), dtype=np.float32)).requires_grad_()
+               for _ in range(3))
+    with pytest.raises(TypeError, match="sinks must be a torch.Tensor, got ndarray"):
+        numattn_torch.attention(q, k, v, sinks=np.zeros(2, np.float32))
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor, got ndarray"):
+        numattn_torch.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                       torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32),
+                                       4, 4, alibi_slopes=np.ones(2, np.float32))
+    for shape in ((16,), (4, 2, 16)):
+        with pytest.raises(ValueError, match="q must be 4-D"):
+            numattn_torch.attention(torch.ones(shape, requires_grad=True), k, v, alibi_slopes=torch.ones(2))
+    assert numattn_torch.GroupedQueryAttention(32, 4, 2, causal=np.bool_(True)).causal is True
+
+
+def test_no_op_drops_a_gradient_silently(rng):
+    """Sinks that require grad (the one option with a gradient) are refused like q, k and v; so are tensors
+    requiring grad in the decode functions and plans, which are for inference."""
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 2, 4, 16), dtype=np.float32)) for _ in range(3))
+    sinks = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"sinks requires grad.*numattn\.torch\.attention"):
+        numattn.attention(q, k, v, sinks=sinks)
+    query = q[:, :, 0].clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"numattn\.decode records no gradients"):
+        numattn.decode(query, k, v)
+    plan = numattn.decode_plan(query.detach(), k, v)
+    with pytest.raises(ValueError, match=r"numattn\.decode records no gradients"):
+        plan(query)
+    with torch.no_grad():
+        assert numattn.attention(q, k, v, sinks=sinks).shape == (1, 2, 4, 16)
+        assert numattn.decode(query, k, v).shape == (1, 2, 16)
+        assert plan(query).shape == (1, 2, 16)
 
 
 def test_out_must_be_writable_and_not_overlap(rng):

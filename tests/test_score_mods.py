@@ -145,6 +145,8 @@ def test_plans_of_torch_tensors_keep_their_options_apart(rng, fresh_plans):
     (dict(softcap=-1.0), ValueError, "softcap must be a finite positive number"),
     (dict(softcap=float("nan")), ValueError, "softcap must be a finite positive number"),
     (dict(softcap="30"), TypeError, "softcap must be a real number or None, got str"),
+    (dict(softcap=3e38), ValueError, r"softcap must be in \[1e-30, 1e\+30\]"),
+    (dict(softcap=2**1100), ValueError, "softcap must be a finite positive number"),
     (dict(alibi_slopes=np.ones(2, np.float64)), TypeError, "alibi_slopes must be float32, got float64"),
     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\)"),
     (dict(sinks=np.ones((2, 4), np.float32)), ValueError, r"sinks must have shape \(4,\), got \(2, 4\)"),
@@ -154,6 +156,23 @@ def test_bad_options_name_the_argument(rng, options, error, match):
     q, k, v = random_qkv(rng, 2, 4, 2, 8, 8, 16)
     with pytest.raises(error, match=match):
         numattn.attention(q, k, v, **options)
+
+
+def test_a_cached_plan_takes_no_window_that_validation_refuses(rng):
+    """``(4.0, 0) == (4, 0)`` and ``(True, 0) == (1, 0)``: after a call with int sides, the same values as a
+    float or a bool are still refused (by ``attention`` on numpy arrays, ``decode`` on numpy and torch)."""
+    import torch
+
+    q, k, v = random_qkv(rng, 1, 2, 2, 8, 8, 16)
+    dq, dk, dv, _ = decode_inputs(rng, "float32", batch=1, capacity=16, head_dim=16)
+    calls = [lambda window: numattn.attention(q, k, v, window=window),
+             lambda window: numattn.decode(dq, dk, dv, window=window),
+             lambda window: numattn.decode(*map(torch.from_numpy, (dq, dk, dv)), window=window)]
+    for call in calls:
+        call((1, 0))
+        for bad in ((1.0, 0), (True, 0)):
+            with pytest.raises(TypeError, match="window's left side must be an int"):
+                call(bad)
 
 
 def decode_inputs(rng, dtype, seqlen_q=1, batch=3, heads_q=4, heads_kv=2, capacity=90, head_dim=64):

@@ -358,6 +358,16 @@ def test_tune_takes_the_score_options_and_keys_their_configurations_apart(tmp_pa
                                mi.reference.attention(q, k, v, scale=0.3, **options), atol=2e-3)
 
 
+def test_tune_checks_the_lengths_as_a_call_does(tmp_path, monkeypatch, rng):
+    monkeypatch.setenv("NUMATTN_CACHE_DIR", str(tmp_path))
+    q = rng.uniform(-1, 1, (1, 4, 16)).astype(np.float32)
+    k, v = (rng.uniform(-1, 1, (1, 2, 8, 16)).astype(np.float32) for _ in range(2))
+    for lengths, match in (([100], r"seqlens\[0\] = 100 exceeds the cache length \(8\)"),
+                           ([-5], r"seqlens must be non-negative, got seqlens\[0\] = -5")):
+        with pytest.raises(ValueError, match=match):
+            mi.tune(mi.decode, q, k, v, seqlens=np.array(lengths, np.int32))
+
+
 def test_mla_tuning_candidates_hold_the_default(rng):
     """Tuning mla_decode also tries the default's persistent grid (on sm_90, the simulator's), without key
     splits only, where it takes the heads (at most 32); the other candidates with the split counts."""

@@ -211,7 +211,8 @@ def test_the_gpu_check_finds_what_the_host_check_finds():
     from numattn.kernels.launch import compiled
     from numattn.ops.checks import first_varlen_problem
 
-    def on_gpu(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, page_size=4, num_pages=6):
+    def on_gpu(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, max_seqlen_k=10, page_size=4,
+               num_pages=6):
         claim, record = np.zeros(1, np.int32), np.zeros(index_check.RECORD_WORDS, np.int32)
         kernel = compiled(index_check.varlen_check_kernel(cu_k is not None, used is not None, table is not None),
                           None, 0, 0, "varlen index check")
@@ -220,11 +221,13 @@ def test_the_gpu_check_finds_what_the_host_check_finds():
                                                                                           placeholders, strict=True))
         grid = index_check.grid(len(cu_q) - 1, table_arg.shape[1])
         kernel.launch_arrays(grid, index_check.THREADS, cu_q, cu_k_arg, used_arg, table_arg, total_q, total_k,
-                             max_seqlen_q, page_size, num_pages, claim, record)
+                             max_seqlen_q, max_seqlen_k, page_size, num_pages, claim, record)
         return record.tolist()
 
-    def on_host(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, page_size=4, num_pages=6):
-        found = first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, page_size, num_pages)
+    def on_host(cu_q, cu_k, used, table, total_q=8, total_k=10, max_seqlen_q=5, max_seqlen_k=10, page_size=4,
+                num_pages=6):
+        found = first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, max_seqlen_k, page_size,
+                                     num_pages)
         return [0] * index_check.RECORD_WORDS if found is None else [int(x) for x in found]
 
     i32 = lambda *values: np.array(values, np.int32)  # noqa: E731
@@ -235,6 +238,8 @@ def test_the_gpu_check_finds_what_the_host_check_finds():
         (i32(0, 3, 8), i32(0, 6, 5), None, None),
         (i32(0, 3, 9), i32(0, 4, 10), None, None),
         (i32(0, 2, 8), i32(0, 4, 10), None, None),  # 6 queries, max_seqlen_q 5
+        (i32(0, 3, 8), i32(0, 4, 10), None, None, 8, 10, 5, 5),  # 6 keys, max_seqlen_k 5
+        (i32(0, 3, 8), None, i32(4, 7), table, 8, 10, 5, 6),  # 7 keys in pages, max_seqlen_k 6
         (i32(0, 3, 8), i32(0, 4, 11), None, None),
         (i32(0, 3, 8), i32(0, 4, 10), i32(4, 7), None),
         (i32(0, 3, 8), None, i32(4, 9), table),
@@ -328,6 +333,7 @@ def _arguments(rng):
     (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 9 must equal total_q"),
     (dict(cu_seqlens_q=np.array([0, 3, 7], np.int32)), ValueError, r"cu_seqlens_q\[-1\] = 7 must equal total_q"),
     (dict(max_seqlen_q=4), ValueError, "sequence 1 has 5 queries .* more than max_seqlen_q = 4"),
+    (dict(max_seqlen_k=5), ValueError, "sequence 1 has 6 keys, more than max_seqlen_k = 5"),
     (dict(cu_seqlens_k=np.array([0, 4, 11], np.int32)), ValueError, r"cu_seqlens_k\[-1\] = 11 exceeds total_k"),
     (dict(seqused_k=np.array([4, 7], np.int32)), ValueError, r"seqused_k\[1\] = 7 is not in \[0, 6\]"),
     (dict(seqused_k=np.array([4], np.int32)), ValueError, r"seqused_k must have one entry per sequence \(2\)"),
@@ -350,6 +356,8 @@ def test_bad_arguments_name_the_argument(rng, change, error, match):
      r"page_table\[1, 1\] = 40 is not a page index in \[0, 6\)"),
     (dict(page_table=np.zeros((3, 2), np.int32)), ValueError, "page_table must be \\(batch, max_pages\\) with batch 2"),
     (dict(k=np.ones((7, 4, 2, 16), np.float32)), ValueError, "k and v must have the same pages"),
+    (dict(seqused_k=np.array([4, 3], np.int32), max_seqlen_k=3), ValueError,
+     "sequence 0 has 4 keys, more than max_seqlen_k = 3"),
 ])
 def test_bad_paged_arguments_name_the_argument(rng, change, error, match):
     arguments, paged_arguments = _arguments(rng)

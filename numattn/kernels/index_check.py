@@ -16,7 +16,8 @@ value`` with ``limit`` pages. The kind is written last, after a system-wide fenc
 A varlen call (``varlen_check_kernel``) records, with ``j`` 0 for ``cu_seqlens_q`` and 1 for
 ``cu_seqlens_k``: ``OFFSET_NOT_ZERO`` (``cu[0] = value``), ``OFFSETS_DECREASE`` (``cu[b + 1] = value <
 cu[b] = limit``), ``OFFSETS_PAST_ROWS`` (the last offset ``cu[b] = value`` beyond ``limit`` rows, or for queries other than ``limit``), ``LONGER_THAN_MAX``
-(sequence ``b`` has ``value`` queries, ``limit`` = max_seqlen_q), ``USED_OUT_OF_RANGE``
+(sequence ``b`` has ``value`` queries, ``limit`` = max_seqlen_q; with ``j`` 1 ``value`` keys, ``limit`` =
+max_seqlen_k), ``USED_OUT_OF_RANGE``
 (``seqused_k[b] = value`` outside ``[0, limit]``; ``j`` 1 when the keys are paged), ``KEYS_ABOVE_PAGES`` (sequence ``b`` has ``value``
 keys, its page-table row ``limit``) and ``PAGE_OUT_OF_RANGE``.
 """
@@ -88,14 +89,15 @@ def _check_offsets(claim, record, cu, which, b, rows, batch):
 
 @functools.lru_cache(maxsize=None)
 def varlen_check_kernel(has_cu_k, seqused, paged):
-    """``kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, total_q, total_k, max_seqlen_q, page_size,
-    num_pages, claim, record)`` on ``grid(batch, max_pages)`` blocks of ``THREADS`` threads: reports what the
+    """``kernel(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, total_q, total_k, max_seqlen_q, max_seqlen_k,
+    page_size, num_pages, claim, record)`` on ``grid(batch, max_pages)`` blocks of ``THREADS`` threads: reports what the
     host check of a varlen call would (see the module docstring); ``has_cu_k``, ``seqused`` and ``paged`` say
     which of the arrays the call has (an absent one is not read)."""
     HAS_CU_K, SEQUSED, PAGED = has_cu_k, seqused, paged
 
     @cuda.jit
-    def check(cu_q, cu_k, seqused_k, page_table, total_q, total_k, max_seqlen_q, page_size, num_pages, claim, record):
+    def check(cu_q, cu_k, seqused_k, page_table, total_q, total_k, max_seqlen_q, max_seqlen_k, page_size, num_pages,
+              claim, record):
         b = cuda.blockIdx.y
         j = cuda.blockIdx.x * THREADS + cuda.threadIdx.x
         batch = cu_q.shape[0] - 1
@@ -114,6 +116,8 @@ def varlen_check_kernel(has_cu_k, seqused, paged):
                 _report(claim, record, LONGER_THAN_MAX, b, 0, cu_q[b + 1] - cu_q[b], max_seqlen_q)
             if HAS_CU_K:
                 _check_offsets(claim, record, cu_k, 1, b, -1 if PAGED else total_k, batch)
+            if keys > max_seqlen_k:  # the backward's grid covers max_seqlen_k keys per sequence
+                _report(claim, record, LONGER_THAN_MAX, b, 1, keys, max_seqlen_k)
             if PAGED and keys > capacity:
                 _report(claim, record, KEYS_ABOVE_PAGES, b, 0, keys, capacity)
         if PAGED and j < page_table.shape[1] and j * page_size < keys:

@@ -1,7 +1,6 @@
 """``numattn.attention``: fused scaled-dot-product attention over whole sequences."""
 
 import math
-import sys
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -46,8 +45,8 @@ from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .checks import host_values
-from .plans import PLANS, LaunchPlan, array_signature, on_device, tensor_pointer
-from .score_mods import NO_OPTIONS, ScoreOptions, score_options
+from .plans import PLANS, LaunchPlan, array_signature, on_device, records_grad, tensor_pointer
+from .score_mods import NO_OPTIONS, ScoreOptions, options_key, score_options, window_side_types
 from .workspace import WorkspaceLayout
 
 # position of the (batch, heads, seqlen, head_dim) axes in each layout
@@ -528,20 +527,8 @@ def _key(q, k, v, out, causal, scale, layout, return_lse, options):
         (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,  # 16-byte alignment picks the kernel
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         causal.__class__, causal, scale.__class__, scale, layout, return_lse.__class__, return_lse,
-        _options_key(*options),
+        options_key(*options),
     )
-
-
-def _options_key(window, softcap, alibi_slopes, sinks):
-    """The plan-cache key of score-modification arguments (``_key``'s rules); AttributeError for arrays other
-    than torch tensors."""
-    def array(x):
-        return None if x is None else (x.__class__, x.dtype, x.shape, x.stride(), x.device)
-
-    if window is None and softcap is None and alibi_slopes is None and sinks is None:
-        return None
-    window_key = window if window is None else (window.__class__, *((side.__class__, side) for side in window))
-    return window_key, softcap.__class__, softcap, array(alibi_slopes), array(sinks)
 
 
 def make_plan(problem, config=None, splits=1):
@@ -644,9 +631,9 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, window: tup
     >>> numattn.attention(q, k, v, causal=True, window=(3, 0), softcap=30.0).shape
     (1, 4, 8, 16)
     """
-    if _records_grad(q, k, v):
+    if records_grad(q, k, v, sinks):
         raise ValueError(
-            "q, k or v requires grad, and numattn.attention records no gradients: use "
+            "q, k, v or sinks requires grad, and numattn.attention records no gradients: use "
             "numattn.torch.attention(q, k, v, causal=..., scale=...) for autograd, or call under torch.no_grad()")
     options = (window, softcap, alibi_slopes, sinks)
     try:
@@ -656,16 +643,6 @@ def attention(q: Array, k: Array, v: Array, *, causal: bool = False, window: tup
     if alibi_slopes is None and sinks is None:
         return plan(q, k, v, out)
     return plan(q, k, v, out, alibi_slopes, sinks)
-
-
-def _records_grad(q, k, v):
-    """Whether torch would record gradients through any of the arrays (torch tensors requiring grad,
-    outside ``torch.no_grad``)."""
-    try:
-        needs = q.requires_grad or k.requires_grad or v.requires_grad
-    except AttributeError:  # not all torch tensors
-        needs = any(getattr(x, "requires_grad", False) for x in (q, k, v))
-    return needs and sys.modules["torch"].is_grad_enabled()
 
 
 def tuning_options(p):
@@ -698,8 +675,8 @@ def _slow_path(q, k, v, out, causal, scale, layout, return_lse, options):
         window, softcap, alibi_slopes, sinks = options
         try:
             key = ("attention", *map(array_signature, (q, k, v, out, alibi_slopes, sinks)), causal.__class__, causal,
-                   scale.__class__, scale, layout, return_lse.__class__, return_lse, window, softcap.__class__,
-                   softcap)
+                   scale.__class__, scale, layout, return_lse.__class__, return_lse, window, window_side_types(window),
+                   softcap.__class__, softcap)
         except TypeError:  # arrays of other libraries: validated and planned on every call
             key = None
     try:

@@ -110,6 +110,8 @@ def varlen_message(kind, b, j, value, limit):
             return f"{name}[-1] = {value} must equal total_q (q.shape[0]) = {limit}: every query row in a sequence"
         return f"{name}[-1] = {value} exceeds total_k (k.shape[0]) = {limit}"
     if kind == index_check.LONGER_THAN_MAX:
+        if j == 1:
+            return f"sequence {b} has {value} keys, more than max_seqlen_k = {limit}"
         return (f"sequence {b} has {value} queries (cu_seqlens_q[{b + 1}] - cu_seqlens_q[{b}]), more than "
                 f"max_seqlen_q = {limit}")
     if kind == index_check.USED_OUT_OF_RANGE:
@@ -120,7 +122,8 @@ def varlen_message(kind, b, j, value, limit):
     return _page_message(b, j, value, limit)
 
 
-def first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, page_size, num_pages):
+def first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, max_seqlen_k, page_size,
+                         num_pages):
     """``(kind, b, j, value, limit)`` of the first bad value among a varlen call's host index arrays (numpy; None
     for absent ones), as ``kernels/index_check.py`` records it; None when all are good."""
     for which, cu, rows in ((0, cu_q, total_q), (1, cu_k, None if table is not None else total_k)):
@@ -148,6 +151,9 @@ def first_varlen_problem(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q
             b = int(np.argmax(bad))
             return index_check.USED_OUT_OF_RANGE, b, int(table is not None), used[b], limits[b]
         keys = used
+    if (keys > max_seqlen_k).any():  # the backward's grid covers max_seqlen_k keys per sequence
+        b = int(np.argmax(keys > max_seqlen_k))
+        return index_check.LONGER_THAN_MAX, b, 1, keys[b], max_seqlen_k
     if table is None:
         return None
     if (keys > capacity).any():
@@ -242,7 +248,7 @@ def varlen_check_spec(has_cu_k, seqused, paged):
 
     i32, i64 = types.int32, types.int64
     one = types.Array(i32, 1, "A")
-    argtypes = (one, one, one, types.Array(i32, 2, "A"), i64, i64, i64, i64, i64, one, one)
+    argtypes = (one, one, one, types.Array(i32, 2, "A"), i64, i64, i64, i64, i64, i64, one, one)
     return KernelSpec(index_check.varlen_check_kernel, (has_cu_k, seqused, paged), argtypes,
                       f"varlen index check cu_seqlens_k={has_cu_k} seqused_k={seqused} paged={paged}")
 
@@ -262,7 +268,7 @@ class DeviceVarlenCheck:
         kernel = compiled(spec.factory(*spec.args), spec.argtypes, device, 0, spec.label)
         fields, slots = array_fields(s.arrays())
         page_size = max(s.page_size, 1)
-        fields += [s.total_q, s.total_k, s.max_seqlen_q, page_size, s.total_k // page_size,
+        fields += [s.total_q, s.total_k, s.max_seqlen_q, s.max_seqlen_k, page_size, s.total_k // page_size,
                    *flatten_array(reports.claim, (1,), (1,), 4),
                    *flatten_array(reports.record_device, (index_check.RECORD_WORDS,), (1,), 4)]
         max_pages = 1 if s.page_table is None else s.page_table.shape[1]

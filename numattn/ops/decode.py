@@ -7,6 +7,7 @@ and optional per-sequence lengths. ``kernels/decode.py`` computes it with
 split-KV flash decoding.
 """
 
+import sys
 from dataclasses import dataclass, replace
 
 import numba
@@ -49,8 +50,8 @@ from .checks import (
     index_check_spec,
     page_table_operands,
 )
-from .plans import PLANS, LaunchPlan, array_pointer, array_signature, on_device, tensor_pointer
-from .score_mods import NO_OPTIONS, ScoreOptions, score_options
+from .plans import PLANS, LaunchPlan, array_pointer, array_signature, on_device, records_grad, tensor_pointer
+from .score_mods import NO_OPTIONS, ScoreOptions, score_options, window_side_types
 from .workspace import WorkspaceLayout, capturing_now
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -508,7 +509,7 @@ def _torch_key(kind, q, k, v, table, lengths, alibi, sinks, out, options):
         None if out is None else (out.__class__, out.dtype, out.shape, out.stride(), out.device, out.data_ptr() & 15),
         None if alibi is None else (alibi.__class__, alibi.dtype, alibi.shape, alibi.stride(), alibi.device),
         None if sinks is None else (sinks.__class__, sinks.dtype, sinks.shape, sinks.stride(), sinks.device),
-        *options, *map(type, options),
+        *options, *map(type, options), window_side_types(options[3]),  # options[3]: the window
     )
 
 
@@ -520,14 +521,21 @@ def _validated(validate, arrays, options, out):
     return validate(*arrays, scale, layout, return_lse, out, window, softcap, alibi, sinks)
 
 
+_NO_GRADIENTS = ("q, k, v or sinks requires grad, and numattn.{} records no gradients (decode is inference): call it "
+                 "under torch.no_grad() or torch.inference_mode()")
+
+
 def _run(kind, validate, arrays, options, check, out):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    if records_grad(arrays[0], arrays[1], arrays[2], arrays[6]):  # q, the caches, the sinks
+        raise ValueError(_NO_GRADIENTS.format(kind))
     try:
         try:
             key = _torch_key(kind, *arrays, out, options)
         except AttributeError:  # not all torch tensors
-            key = (kind, *map(array_signature, arrays), array_signature(out), *options, *map(type, options))
+            key = (kind, *map(array_signature, arrays), array_signature(out), *options, *map(type, options),
+                   window_side_types(options[3]))
         plan = PLANS.get(key)  # hashes the key once
     except TypeError:  # an argument without a signature, or unhashable options: validated and planned every call
         key = plan = None
@@ -723,6 +731,8 @@ class DecodePlan:
         self._kind, self.validate, self._options = kind, validate, options
         self._bound = tuple(arrays[1:])  # k, v, page table, seqlens, ALiBi slopes, sinks
         self._table, self._lengths = arrays[3:5]
+        if records_grad(arrays[0], arrays[1], arrays[2], arrays[6]):
+            raise ValueError(_NO_GRADIENTS.format(kind))
         problem = _validated(validate, arrays, options, None)
         self.problem = problem
         q = arrays[0]
@@ -745,6 +755,8 @@ class DecodePlan:
         if signature != self._q_signature:
             raise ValueError(f"q must match the plan's query ({_signature_text(self._q_signature)}), got "
                              f"{_signature_text(signature)}: make a new plan for other queries")
+        if q.requires_grad and sys.modules["torch"].is_grad_enabled():  # the bound arrays were checked at planning
+            raise ValueError(_NO_GRADIENTS.format(self._kind))
         if out is not None:
             given = _tensor_signature(out)[0]
             if given is None or given[:5] != self._out_signature:

@@ -7,6 +7,8 @@ the kinds of arrays lives here, once for every op. Host arrays without a GPU (th
 simulator) are each op's own: they run other code than the kernels' launch.
 """
 
+import sys
+
 import numpy as np
 
 from .._arrays import cai_stream, device_pointer, empty_device_like, is_torch, torch_current
@@ -30,6 +32,18 @@ class PlanCache(dict):
 
 
 PLANS = PlanCache(limit=4096)
+
+
+def records_grad(q, k, v, sinks=None):
+    """Whether torch would record gradients through q, k, v or the sinks (torch tensors requiring grad, outside
+    ``torch.no_grad``): the ops record none, ``numattn.torch`` does."""
+    try:
+        needs = q.requires_grad or k.requires_grad or v.requires_grad
+    except AttributeError:  # not all torch tensors
+        needs = any(getattr(x, "requires_grad", False) for x in (q, k, v))
+    if sinks is not None and not needs:
+        needs = getattr(sinks, "requires_grad", False)
+    return needs and sys.modules["torch"].is_grad_enabled()
 
 
 def array_signature(x):

@@ -76,6 +76,24 @@ class ScoreOptions:
 NO_OPTIONS = ScoreOptions()
 
 
+def options_key(window, softcap, alibi_slopes, sinks):
+    """The plan-cache key of a call's score-modification arguments, with their types (a cached plan never
+    takes what validation would refuse); AttributeError for arrays other than torch tensors."""
+    def array(x):
+        return None if x is None else (x.__class__, x.dtype, x.shape, x.stride(), x.device)
+
+    if window is None and softcap is None and alibi_slopes is None and sinks is None:
+        return None
+    return (window.__class__, window, window_side_types(window), softcap.__class__, softcap, array(alibi_slopes),
+            array(sinks))
+
+
+def window_side_types(window):
+    """The types of a ``window`` argument's sides for a plan-cache key, which holds the window itself too:
+    ``(4.0, 0) == (4, 0)`` and ``(True, 0) == (1, 0)``, but validation takes int sides only."""
+    return None if window is None else tuple(map(type, window))
+
+
 def window_bounds(window, causal):
     """``ScoreOptions.window`` of a ``window`` argument: None, or a pair ``(left, right)`` whose sides are
     non-negative ints, or None or -1 for no bound."""
@@ -100,19 +118,27 @@ def window_bounds(window, causal):
     return left, right
 
 
+_SOFTCAP_MIN, _SOFTCAP_MAX = 1e-30, 1e30
+
+
 def softcap_value(softcap):
     """``ScoreOptions.softcap`` of a ``softcap`` argument: None or 0 for none, else a finite positive real."""
     if softcap is None:
         return None
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
         raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
-    value = float(softcap)
+    try:
+        value = float(softcap)
+    except OverflowError:  # an int beyond float range
+        value = math.inf
     if value == 0.0:
         return None
     if not (math.isfinite(value) and value > 0.0):
         raise ValueError(f"softcap must be a finite positive number (or None or 0 for none), got {softcap}")
-    if value < 1e-30:
-        raise ValueError(f"softcap must be at least 1e-30 (kernels take 2 / softcap in float32), got {softcap}")
+    if not _SOFTCAP_MIN <= value <= _SOFTCAP_MAX:
+        raise ValueError(f"softcap must be in [{_SOFTCAP_MIN:g}, {_SOFTCAP_MAX:g}] (kernels take softcap · log2(e) "
+                         f"and 2 / softcap in float32; a larger cap changes no float32 score: pass None), "
+                         f"got {softcap}")
     return value
 
 

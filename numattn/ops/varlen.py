@@ -17,8 +17,6 @@ from ..kernels.sequences import SequenceLayout
 from .attention import (
     MAX_HEAD_DIM,
     Problem,
-    _options_key,
-    _records_grad,
     check_one_dtype_and_device,
     make_plan,
     out_operand,
@@ -32,8 +30,8 @@ from .checks import (
     host_values,
     varlen_message,
 )
-from .plans import PLANS, array_pointer, array_signature
-from .score_mods import score_options
+from .plans import PLANS, array_pointer, array_signature, records_grad
+from .score_mods import options_key, score_options
 
 _INT32 = types.Array(types.int32, 1, "A")
 _ABSENT = (((1,), (1,), 4), ((1,), (1,), 4), ((1,), (1,), 4), ((1, 1), (1, 1), 4))  # cu_q, cu_k, seqused_k, table
@@ -50,6 +48,7 @@ class Sequences:
     total_q: int
     total_k: int  # packed key rows, or the page array's keys (num_pages · page_size)
     max_seqlen_q: int
+    max_seqlen_k: int
     page_size: int = 0  # keys per page, 0 for packed keys
     _device_check: object = field(default=None, compare=False, repr=False)  # the GPU's check, made on first use
 
@@ -85,7 +84,7 @@ class Sequences:
     def check_values(self, stream, arrays):
         """Check the values of the call's index arrays ``(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``
         (None: absent): ValueError for offsets that do not start at 0, decrease or run past the rows, a
-        sequence longer than ``max_seqlen_q``, key counts out of range, or a used page index outside the page
+        sequence longer than ``max_seqlen_q`` (or with more keys than ``max_seqlen_k``), key counts out of range, or a used page index outside the page
         array. Host arrays are checked here; device arrays on the GPU, on the raw ``stream`` the call runs on
         (what the check finds is raised by the next checked call on that GPU: ``ops/checks.py``)."""
         if self.cu_seqlens_q.device is not None and not SIMULATOR:
@@ -95,8 +94,8 @@ class Sequences:
             return
         values = [None if x is None else host_values(x) for x in arrays]
         page_size = max(self.page_size, 1)
-        found = first_varlen_problem(*values, self.total_q, self.total_k, self.max_seqlen_q, page_size,
-                                     self.total_k // page_size)
+        found = first_varlen_problem(*values, self.total_q, self.total_k, self.max_seqlen_q, self.max_seqlen_k,
+                                     page_size, self.total_k // page_size)
         if found is not None:
             raise ValueError(varlen_message(*found))
 
@@ -174,7 +173,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     lifted = {name: op if len(op.shape) == 4 else replace(op, shape=(1, *op.shape), strides=(0, *op.strides))
               for name, op in ops.items()}
     total_k = k_op.shape[0] * (k_op.shape[1] if paged else 1)
-    sequences = Sequences(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, k_op.shape[1] if paged else 0)
+    sequences = Sequences(cu_q, cu_k, used, table, total_q, total_k, max_seqlen_q, max_seqlen_k,
+                          k_op.shape[1] if paged else 0)
     options = score_options(window, softcap, alibi_slopes, sinks, causal, batch, heads_q, device)
     problem = Problem(batch, heads_q, heads_kv, max_seqlen_q, max_seqlen_k, head_dim, head_dim_v, q_op.dtype, device,
                       bool(causal), float(softmax_scale(scale, head_dim)), "bshd", bool(return_lse), lifted["q"],
@@ -211,7 +211,8 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     cu_seqlens_k : int32 ``[batch + 1]`` or None
         Cumulative key counts; may be None with ``page_table`` and ``seqused_k``.
     max_seqlen_q, max_seqlen_k : int
-        The longest sequence's query and key counts (the grid covers ``max_seqlen_q`` rows per sequence).
+        The longest sequence's query and key counts (the grid covers ``max_seqlen_q`` rows per sequence, the
+        backward's ``max_seqlen_k`` keys).
     causal, window, softcap, alibi_slopes, sinks, scale
         As for ``numattn.attention``; ``alibi_slopes`` ``[num_heads_q]`` or ``[batch, num_heads_q]``.
     return_lse : bool
@@ -225,8 +226,9 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
         keys ``cu_seqlens_k`` gives it.
     check : bool
         Check the values of the index arrays: ``ValueError`` for offsets that do not start at 0, decrease,
-        or run past the rows (the query offsets must end at ``total_q``), a sequence longer than
-        ``max_seqlen_q``, key counts out of range or a page index outside the page array. Host arrays are
+        or run past the rows (the query offsets must end at ``total_q``), a sequence with more queries than
+        ``max_seqlen_q`` or keys than ``max_seqlen_k``, key counts out of range or a page index outside the
+        page array. Host arrays are
         checked before the call; device arrays on the GPU without a synchronisation, what the check finds
         being raised by the next checked call on that GPU. Unchecked, bad values are clamped into range:
         the kernels read nothing outside the arrays, but the output is undefined.
@@ -253,9 +255,9 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     >>> numattn.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).shape
     (8, 4, 16)
     """
-    if _records_grad(q, k, v):
-        raise ValueError("q, k or v requires grad, and numattn.attention_varlen records no gradients: call it under "
-                         "torch.no_grad()")
+    if records_grad(q, k, v, sinks):
+        raise ValueError("q, k, v or sinks requires grad, and numattn.attention_varlen records no gradients: use "
+                         "numattn.torch.attention_varlen for autograd, or call it under torch.no_grad()")
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
     sequences = (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)
@@ -263,7 +265,7 @@ def attention_varlen(q: Array, k: Array, v: Array, cu_seqlens_q: Array, cu_seqle
     try:
         key = ("attention_varlen", *map(array_signature, (q, k, v, out, *sequences)), max_seqlen_q.__class__,
                max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k, causal.__class__, causal, scale.__class__, scale,
-               return_lse.__class__, return_lse, _options_key(*options))
+               return_lse.__class__, return_lse, options_key(*options))
         plan = PLANS.get(key)
     except (AttributeError, TypeError):  # arrays of other libraries, unhashable arguments: planned every call
         key = plan = None

@@ -115,6 +115,9 @@ def _decode_like(kind, arrays, options, score_options, validate):
     window, softcap, alibi_slopes, sinks = score_options
     arrays = [decode_op.from_dlpack(x) if x is not None else None for x in (*arrays, alibi_slopes, sinks)]
     p = validate(*arrays[:5], *options, None, window, softcap, *arrays[5:])
+    q, _, _, page_table, seqlens = arrays[:5]
+    if seqlens is not None:  # the lengths' and the page table's values, checked as a call checks them
+        decode_op.make_plan(p, 1).check_values(q, page_table, seqlens)
 
     def make(config, splits):
         plan = decode_op.make_plan(p, splits)
