@@ -525,11 +525,17 @@ _NO_GRADIENTS = ("q, k, v or sinks requires grad, and numattn.{} records no grad
                  "under torch.no_grad() or torch.inference_mode()")
 
 
+def _refuse_gradients(kind, arrays):
+    """ValueError where torch would record gradients through a call's ``arrays`` ``[q, caches, page_table,
+    seqlens, alibi, sinks]``: q, the caches or the sinks."""
+    if records_grad(arrays[0], arrays[1], arrays[2], arrays[6]):
+        raise ValueError(_NO_GRADIENTS.format(kind))
+
+
 def _run(kind, validate, arrays, options, check, out):
     if check.__class__ is not bool and not isinstance(check, np.bool_):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
-    if records_grad(arrays[0], arrays[1], arrays[2], arrays[6]):  # q, the caches, the sinks
-        raise ValueError(_NO_GRADIENTS.format(kind))
+    _refuse_gradients(kind, arrays)
     try:
         try:
             key = _torch_key(kind, *arrays, out, options)
@@ -731,8 +737,7 @@ class DecodePlan:
         self._kind, self.validate, self._options = kind, validate, options
         self._bound = tuple(arrays[1:])  # k, v, page table, seqlens, ALiBi slopes, sinks
         self._table, self._lengths = arrays[3:5]
-        if records_grad(arrays[0], arrays[1], arrays[2], arrays[6]):
-            raise ValueError(_NO_GRADIENTS.format(kind))
+        _refuse_gradients(kind, arrays)
         problem = _validated(validate, arrays, options, None)
         self.problem = problem
         q = arrays[0]
