@@ -14,7 +14,8 @@ Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not
 split, 256 queries over 16384 keys, D128 bf16 and D64 fp16), decode (B64 Hq32 Hkv8
 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (rank 512, rope 64: B768 H64
 L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward (B4 H32 L4096 D128 and D96
-bf16, causal), each with its default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
+bf16, causal; B4 H16 L8192 D128 causal with a window of 1024, ALiBi or a softcap of 30; four packed causal
+sequences of 4096, H32 D128), each with its default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
 Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``: rounds of 50
 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
 """
@@ -96,17 +97,29 @@ def cases(torch, packages):
         table[f"mla_decode B{batch} H{heads} L{seqlen}, pages of {page_size}"] = per_package(
             packages, lambda pkg, mla=mla: pkg.mla_decode(*mla, scale=0.1))
 
+    def training_step(pkg, leaves, do, varlen=(), **options):
+        """Gradients of q, k, v through ``numattn.torch.attention`` (``attention_varlen`` with ``varlen``'s
+        lengths); dQ returned."""
+        for x in leaves:
+            x.grad = None
+        ops = importlib.import_module(f"{pkg.__name__}.torch")
+        (ops.attention_varlen(*leaves, *varlen, **options) if varlen else ops.attention(*leaves, **options)).backward(do)
+        return leaves[0].grad
+
+    def training_case(name, shape, varlen=(), **options):
+        leaves = [rnd(*shape, dtype=torch.bfloat16, grad=True) for _ in range(3)]
+        do = rnd(*shape, dtype=torch.bfloat16)
+        table[f"forward + backward {name}"] = per_package(
+            packages, lambda pkg: training_step(pkg, leaves, do, varlen, causal=True, **options))
+
     for head_dim in (128, 96):  # the backward's wgmma kernel on sm_90, and its mma.sync kernel
-        leaves = [rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16, grad=True) for _ in range(3)]
-        do = rnd(4, 32, 4096, head_dim, dtype=torch.bfloat16)
-
-        def training_step(pkg, leaves=leaves, do=do):
-            for x in leaves:
-                x.grad = None
-            importlib.import_module(f"{pkg.__name__}.torch").attention(*leaves, causal=True).backward(do)
-            return leaves[0].grad
-
-        table[f"forward + backward B4 H32 L4096 D{head_dim} bf16 causal"] = per_package(packages, training_step)
+        training_case(f"B4 H32 L4096 D{head_dim} bf16 causal", (4, 32, 4096, head_dim))
+    slopes = torch.rand(16, device="cuda") / 4
+    for label, options in (("window 1024", dict(window=(1024, 0))), ("ALiBi", dict(alibi_slopes=slopes)),
+                           ("softcap 30", dict(softcap=30.0))):  # the score options' kernels
+        training_case(f"B4 H16 L8192 D128 bf16 causal, {label}", (4, 16, 8192, 128), **options)
+    lengths = torch.arange(0, 4 * 4096 + 1, 4096, device="cuda", dtype=torch.int32)  # packed sequences
+    training_case("packed 4 × 4096 H32 D128 bf16 causal", (4 * 4096, 32, 128), (lengths, lengths, 4096, 4096))
     return table
 
 

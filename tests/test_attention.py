@@ -267,10 +267,11 @@ def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
 
 def test_default_splits_the_keys_of_short_grids(monkeypatch):
     """On sm_90 the default splits the keys where the query tiles fill at most half the SMs over at least four
-    times as many keys, into as many runs as keep a block per SM and 8 key tiles per run; larger grids,
-    fewer keys, windows and wide heads keep one run."""
+    times as many keys, into as many runs as keep a block per SM and 8 key tiles per run, packed sequences
+    too; larger grids, fewer keys, windows and wide heads keep one run."""
     from numattn.configs import attention as configs
     from numattn.ops.attention import validate
+    from numattn.ops.varlen import validate_varlen
 
     monkeypatch.setattr(configs, "SIMULATOR", False)
     h200 = {"cc": (9, 0), "max_shared": 232448, "sms": 132}
@@ -290,6 +291,17 @@ def test_default_splits_the_keys_of_short_grids(monkeypatch):
     assert choice(2, 8, 1024, 8192, 128)[1] == 1  # 128 query tiles
     assert choice(1, 8, 512, 16384, 128, window=(1024, 0))[1] == 1
     assert choice(1, 8, 512, 16384, 256)[1] == 1
+
+    def packed_choice(lengths_q, lengths_k, heads, head_dim):  # packed sequences count their longest
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+        q = np.ones((cu_q[-1], heads, head_dim), np.float16)
+        kv = np.ones((cu_k[-1], heads, head_dim), np.float16)
+        problem = validate_varlen(q, kv, kv, cu_q, cu_k, max(lengths_q), max(lengths_k), None, True, None, False)
+        return configs.default_choice(problem, h200)
+
+    assert packed_choice([256, 0, 100, 256], [16384, 7, 9000, 16384], 8, 128) == (configs.SPLITTING, 2)  # 64 tiles
+    assert packed_choice([128], [32768], 8, 128) == (configs.SPLITTING, 16)
+    assert packed_choice([512, 512], [8192, 8192], 16, 128)[1] == 1  # 128 query tiles
 
 def test_default_kernel_per_device(monkeypatch):
     """sm_90 GPUs take the wgmma kernel for head dims in multiples of 64, other tensor-core GPUs

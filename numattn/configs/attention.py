@@ -333,14 +333,17 @@ def default_choice(p, limits):
     """The heuristic's ``(configuration, key splits)``: ``default_config`` and one run of keys, except for a
     grid of query tiles that fills at most half the SMs with at least four times as many keys as queries
     (few sequences and heads, a chunk of queries against a long context; the shapes measured): on sm_90
-    with head dims up to 128, without a window or packed sequences, the wgmma kernel of
-    ``SPLITTING`` then divides the keys into as many runs (of ``KEY_SPLITS``) as keep the launch within a
-    block per SM and at least ``SPLIT_KEY_TILES`` key tiles per run. On an H200 this took B1 H8 Lq 512
-    Lkv 16384 D128 bf16 from 213 to 88 µs (4 runs; SDPA flash 120) and left B2 H8 Lq 1024 Lkv 8192 (128
-    query tiles, where splits were slower) alone (docs/attention.md, "Few query tiles, many keys")."""
+    with head dims up to 128, without a window, the wgmma kernel of ``SPLITTING`` then divides the keys
+    into as many runs (of ``KEY_SPLITS``) as keep the launch within a block per SM and at least
+    ``SPLIT_KEY_TILES`` key tiles per run. On an H200 this took B1 H8 Lq 512 Lkv 16384 D128 bf16 from 213
+    to 88 µs (4 runs; SDPA flash 120) and left B2 H8 Lq 1024 Lkv 8192 (128 query tiles, where splits were
+    slower) alone (docs/attention.md, "Few query tiles, many keys"). Packed and paged sequences count
+    their longest (``max_seqlen_q``, ``max_seqlen_k``): on an H100 four of 256 queries over 16384 keys (H8
+    D128 bf16 causal) went from 236 to 159 µs (2 runs; the padded batch 158), one of 128 over 32768 from
+    458 to 98 µs (16 runs)."""
     config = default_config(p, limits)
-    if (not isinstance(config, WgmmaConfig) or max(p.head_dim, p.head_dim_v) > 128 or p.sequences is not None
-            or p.options.mods.window or p.seqlen_kv < 4 * p.seqlen_q or misfit(p, SPLITTING, limits) is not None):
+    if (not isinstance(config, WgmmaConfig) or max(p.head_dim, p.head_dim_v) > 128 or p.options.mods.window
+            or p.seqlen_kv < 4 * p.seqlen_q or misfit(p, SPLITTING, limits) is not None):
         return config, 1
     tiles = p.batch * p.heads_q * -(-p.seqlen_q // SPLITTING.block_m)
     key_tiles = -(-p.seqlen_kv // SPLITTING.block_n)  # two runs or more need tiles ≤ SMs / 2
