@@ -225,8 +225,13 @@ REGISTER_SLACK = 12
 PRODUCER_REGISTERS = 56  # per thread of a wgmma kernel's copying warpgroup
 # Registers a kernel of packed or paged sequences (``kernels/sequences.py``) asks for beyond the estimate:
 # ptxas counts rose by 10 to 17 over the dense kernel's (head dims 64, 128, 256, the candidates below,
-# unconstrained), and at head dim 256 the fit runs about 10 low; with this many, no candidate chosen spilled.
-SEQUENCES_REGISTERS = 28
+# unconstrained). With this many the dense kernel's tiles are kept at head dims 64 and 256 and the producer
+# dropped at 128 (B8 L2048 Hq32 Hkv8 causal, 2026-11-28): at 64 the 96-key tiles spill 36/96 bytes (packed)
+# and 40/100 (paged) yet took 0.85 and 0.77 of the time of the 64-key tiles that 28 registers chose (H200,
+# fp16); at 256 the 48-key tiles compile to 249 registers without spilling and took 0.95 of the time of the
+# 32-key tiles packed, 1.01 paged (H100, bf16); at 128 the producer's copying warpgroup spills 216/352 bytes
+# and gained nothing (H200, bf16: packed 0.995 of the time, paged 1.31).
+SEQUENCES_REGISTERS = 13
 
 
 def wgmma_supported(dtype, head_dim, head_dim_v, cc):
