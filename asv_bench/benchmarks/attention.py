@@ -103,20 +103,22 @@ class AttentionShortGrid:
     track_numattn_ms.unit = track_sdpa_ms.unit = "ms"
 
 class AttentionVarlen:
-    """``attention_varlen`` on packed sequences of one length (bf16 D128 causal), keys packed or in shuffled
-    pages of 16, against the padded batch (``benchmarks/varlen.py`` compares them): B8 L2048 Hq32 Hkv8, and a
-    chunked prefill of few query tiles (B4 H8, 256 queries over 16384 keys), whose keys the default splits
-    among more blocks on sm_90."""
+    """``attention_varlen`` on packed sequences of one length (causal; bf16 at head dim 128, fp16 at 64), keys
+    packed or in shuffled pages of 16, against the padded batch (``benchmarks/varlen.py`` compares them): B8
+    L2048 Hq32 Hkv8, and a chunked prefill of few query tiles (B4 H8, 256 queries over 16384 keys), whose keys
+    the default splits among more blocks on sm_90."""
 
-    params = ([(8, 32, 8, 2048, 2048), (4, 8, 8, 256, 16384)], ["padded batch", "packed", "paged 16"])
-    param_names = ["shape (B, Hq, Hkv, Lq, Lkv)", "layout"]
+    params = ([(8, 32, 8, 2048, 2048, 128), (8, 32, 8, 2048, 2048, 64), (4, 8, 8, 256, 16384, 128)],
+              ["padded batch", "packed", "paged 16"])
+    param_names = ["shape (B, Hq, Hkv, Lq, Lkv, D)", "layout"]
     unit = "ms"
 
     def setup(self, shape, layout):
         torch = _cuda_torch()
-        (batch, heads_q, heads_kv, seqlen_q, seqlen_kv), dtype = shape, torch.bfloat16
-        q = torch.randn(batch * seqlen_q, heads_q, 128, device="cuda", dtype=dtype)
-        k, v = (torch.randn(batch * seqlen_kv, heads_kv, 128, device="cuda", dtype=dtype) for _ in range(2))
+        batch, heads_q, heads_kv, seqlen_q, seqlen_kv, head_dim = shape
+        dtype = torch.bfloat16 if head_dim == 128 else torch.float16
+        q = torch.randn(batch * seqlen_q, heads_q, head_dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(batch * seqlen_kv, heads_kv, head_dim, device="cuda", dtype=dtype) for _ in range(2))
         cu_q, cu_k = (torch.arange(0, batch * n + 1, n, dtype=torch.int32, device="cuda") for n in (seqlen_q, seqlen_kv))
         if layout == "padded batch":
             padded = [x.view(batch, -1, *x.shape[1:]) for x in (q, k, v)]
@@ -125,8 +127,9 @@ class AttentionVarlen:
             self.call = lambda: numattn.attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_kv, causal=True)
         else:
             pages = torch.randperm(batch * seqlen_kv // 16, device="cuda").to(torch.int32)
-            k_pages, v_pages = (torch.empty(len(pages), 16, heads_kv, 128, device="cuda", dtype=dtype) for _ in range(2))
-            k_pages[pages.long()], v_pages[pages.long()] = (x.view(-1, 16, heads_kv, 128) for x in (k, v))
+            k_pages, v_pages = (torch.empty(len(pages), 16, heads_kv, head_dim, device="cuda", dtype=dtype)
+                                for _ in range(2))
+            k_pages[pages.long()], v_pages[pages.long()] = (x.view(-1, 16, heads_kv, head_dim) for x in (k, v))
             table, used = pages.view(batch, -1), torch.full((batch,), seqlen_kv, dtype=torch.int32, device="cuda")
             self.call = lambda: numattn.attention_varlen(q, k_pages, v_pages, cu_q, None, seqlen_q, seqlen_kv,
                                                          causal=True, page_table=table, seqused_k=used)
