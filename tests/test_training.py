@@ -100,21 +100,22 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
     check_gradients(q, k, v, causal)
 
 
-@pytest.mark.parametrize("producer", [False, True], ids=["computing-warpgroups-copy", "producer"])
-def test_warpgroup_gradients(producer, monkeypatch):
+@pytest.mark.parametrize("stages", [0, 2, 3], ids=["computing-warpgroups-copy", "producer", "producer-3-stages"])
+def test_warpgroup_gradients(stages, monkeypatch):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
-    two query tiles, two key blocks, causal with partial tiles; the default configuration at head dim 64, and
-    two warpgroups beside a producer at head dim 128."""
+    query tiles enough to go round the stages, two key blocks, causal with partial tiles; the default
+    configuration at head dim 64, and two warpgroups beside a producer at head dim 128, with two stages of
+    query tiles and two dQ buffers or three and one."""
     import numattn.ops.backward
     from numattn.configs.backward import BackwardWgmmaConfig
     from numattn.ops.backward import backward_config
 
     assert isinstance(backward_config("bfloat16", 64, 64), BackwardWgmmaConfig)
-    head_dim, seqlen_kv = (128, 150) if producer else (64, 100)
-    if producer:
-        monkeypatch.setattr(numattn.ops.backward, "choose_backward_wgmma_config",
-                            lambda *_: BackwardWgmmaConfig(2, 2, producer=True))
-    q = leaf((1, 2, 70, head_dim), torch.bfloat16)
+    head_dim, seqlen_kv = (128, 150) if stages else (64, 100)
+    if stages:
+        config = BackwardWgmmaConfig(2, 4 - stages, producer=True, stages=stages)
+        monkeypatch.setattr(numattn.ops.backward, "choose_backward_wgmma_config", lambda *_: config)
+    q = leaf((1, 2, 200 if stages else 70, head_dim), torch.bfloat16)
     k, v = leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16), leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16)
     check_gradients(q, k, v, causal=True)
 

@@ -4,7 +4,7 @@
 import math
 from dataclasses import dataclass
 
-from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD, STAGES
+from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD
 from ..kernels.ptx import SW128_ALIGN
 from ..kernels.tiles import PAD
 from . import registers
@@ -82,14 +82,17 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
     """Tile configuration of the wgmma backward: ``warpgroups`` warpgroups of 64 keys each, ``dq_stages``
     shared-memory buffers for the dQ tiles on their way to the float32 accumulator. ``producer``: one more
     warpgroup copies the query tiles and adds the dQ tiles, with ``BACKWARD_PRODUCER_REGISTERS`` registers
-    per thread, and the computing ones take the rest of the register file (``consumer_registers``)."""
+    per thread, and the computing ones take the rest of the register file (``consumer_registers``).
+    ``stages``: shared-memory stages of the query tiles (Q, dO and their rows); three only with a producer."""
 
     warpgroups: int = 2
     dq_stages: int = 2
     producer: bool = False
+    stages: int = 2
 
     def __post_init__(self):
-        if self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2) or (self.producer and self.warpgroups != 2):
+        if (self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2) or (self.producer and self.warpgroups != 2)
+                or self.stages not in (2, 3) or (self.stages == 3 and not self.producer)):
             raise ValueError(f"inconsistent wgmma backward configuration {self}")
 
     @property
@@ -110,12 +113,12 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
         return head_dim % (64 * self.warpgroups) == 0
 
     def shared_bytes(self, head_dim, head_dim_v):
-        """K, V, two stages of Q and dO, the dS tile (16-bit), two stages of lse₂ and delta rows and the
-        dQ tiles (float32), and slack to align the swizzled tiles."""
-        n = self.block_n
-        halves = n * (head_dim + head_dim_v) + STAGES * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
+        """K, V, the stages of Q and dO, the dS tile (16-bit), the stages' lse₂ and delta rows and the dQ
+        tiles (float32), and slack to align the swizzled tiles."""
+        n, stages = self.block_n, self.stages
+        halves = n * (head_dim + head_dim_v) + stages * BLOCK_M * (head_dim + head_dim_v) + BLOCK_M * n
         dq_tiles = self.dq_stages * BLOCK_M * (head_dim + DQ_PAD)
-        return 2 * halves + 4 * (STAGES * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
+        return 2 * halves + 4 * (stages * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
 # per thread of the producer, which copies with cp.async and issues the dQ reductions. The computing warpgroups
@@ -138,7 +141,7 @@ def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes, varlen=
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
     candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     if 2 in groups and not varlen:
-        candidates.insert(0, BackwardWgmmaConfig(2, 2, producer=True))
+        candidates[:0] = [BackwardWgmmaConfig(2, 1, producer=True, stages=3), BackwardWgmmaConfig(2, 2, producer=True)]
     for config in candidates:
         if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config

@@ -50,6 +50,7 @@ from .ptx import (
     bulk_reduce_add_f32,
     bulk_wait,
     bulk_wait_read,
+    copy_16_to_global,
     cp_async_commit,
     cp_async_mbarrier_arrive,
     cp_async_wait_group,
@@ -60,8 +61,11 @@ from .ptx import (
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_wait,
+    pack_bf16x2,
+    pack_f16x2,
     shrink_registers,
     st_shared_v2_f32,
+    stmatrix_x4,
     stmatrix_x4_trans,
     wgmma_commit,
     wgmma_descriptor,
@@ -79,7 +83,6 @@ from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 _ZERO = np.float32(0.0)
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
-STAGES = 2
 DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8-byte stores free of bank conflicts
 
 
@@ -89,7 +92,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
     ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
-    PRODUCER = config.producer
+    PRODUCER, STAGES = config.producer, config.stages  # stages of the query tiles
     CONSUMERS = 128 * GROUPS  # the computing threads
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
     # the copying threads, and the warps that add the dQ tiles: with a producer its threads and first two warps
@@ -104,6 +107,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     DQ_FULL, DQ_EMPTY = 2 * STAGES, 2 * STAGES + DQ_STAGES
     BARRIERS = 2 * STAGES + 2 * DQ_STAGES
     DS_BARRIER = 1  # named barrier of the computing threads around the dS tile
+    STAGED_BARRIER = 2  # named barriers STAGED_BARRIER + w: warpgroup w's panel of dK or dV is staged (or read)
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
     MTILES, MSTEPS = BLOCK_M // 8, BLOCK_M // 16  # n8 tiles of Sᵀ; k-steps of dV, dK
@@ -127,8 +131,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     DQ_ROW = D + DQ_PAD
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
+    pack = pack_bf16x2 if bf16 else pack_f16x2
     copy_tile = tile_copier(COPIERS, sw128_cell, stepping=PRODUCER, first_thread=FIRST_COPIER)
-    copy_rows, to_gradients, store_rows, _ = gradient_steps(MTILES, causal, dtype, COPIERS, mods, FIRST_COPIER)
+    copy_rows, to_gradients, _, _ = gradient_steps(MTILES, causal, dtype, COPIERS, mods, FIRST_COPIER)
     WINDOW, ALIBI = mods.window, mods.alibi
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
     VARLEN = sequences.varlen
@@ -152,15 +157,16 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     def produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv, m_first, m_tiles,
                 n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row):
         """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
-        the computing warpgroups are done with the stage's previous tile; one tile behind, each staged dQ tile's
-        rows added to the accumulator (row ``reduced_row`` by each ``reducer``) and its buffer given back."""
+        the computing warpgroups are done with the stage's previous tile; after that copy is issued, the dQ
+        rows the previous tile of the stage staged are added to the accumulator (row ``reduced_row`` by each
+        ``reducer``) and their buffer given back, so that no reduction holds up a copy."""
         # typed, not literal, rows and counters: numba would type and lower the callees once more for literals
         copy_tile(view, int64(K_ROW0), BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
         copy_tile(view, int64(V_ROW0), BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
         head, m_tile, stage, parity = int64(0), int64(0), int64(0), int64(0)  # the tile to copy
         # the tile whose dQ to add
         added_head, added_tile, buffer, buffer_parity = int64(0), int64(0), int64(0), int64(0)
-        for it in range(n_iters + 1):
+        for it in range(n_iters + STAGES):
             if it < n_iters:  # copy tile it
                 if it >= STAGES:
                     mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # the stage's previous tile is done
@@ -169,7 +175,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 cp_async_mbarrier_arrive(bars, FULL + stage)
                 head, m_tile = next_query_tile(head, m_tile, m_tiles)
                 stage, parity = ring_next(stage, parity, STAGES)
-            if it > 0:  # add tile it - 1's dQ
+            if it >= STAGES:  # add the dQ of tile it - STAGES, which gave its stage to the copy above
                 mbarrier_wait(bars, DQ_FULL + buffer, buffer_parity)
                 m0 = m_first + added_tile * BLOCK_M
                 if reducer:
@@ -185,6 +191,29 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         cp_async_wait_group(0)  # the copies land before their threads leave
         if reducer:
             bulk_wait(0)  # the reductions are done before the block's shared memory goes
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_staged(dst, view, acc, panels, at, h, row0, nrows, scale, wg, warp, lane):
+        """``scale ·`` the warpgroup's 64 rows of a key block's gradient (``acc``, each warp's 16 rows of
+        ``panels`` panels of 64 columns) into rows ``row0 + 64 wg ..`` of ``dst[at, h]`` below ``nrows``, a
+        panel at a time through the warpgroup's rows of the V tile in shared memory, which no other warpgroup
+        reads: each global store is then a whole 16-byte chunk of a row."""
+        for p in range(panels):
+            for i in range(4):  # the n8 tiles 8p + 2i and 8p + 2i + 1 of rows g and g + 8: stmatrix's four matrices
+                n = 8 * p + 2 * i
+                row, col = sw128_cell(int64(V_ROW0), BLOCK_N, 64 * wg + 16 * (warp % 4) + lane % 8 + 8 * ((lane // 8) % 2),
+                                      16 * i + 8 * (lane // 16))
+                stmatrix_x4(view, row, col, pack(acc[0, n, 0] * scale, acc[0, n, 1] * scale),
+                            pack(acc[0, n, 2] * scale, acc[0, n, 3] * scale),
+                            pack(acc[0, n + 1, 0] * scale, acc[0, n + 1, 1] * scale),
+                            pack(acc[0, n + 1, 2] * scale, acc[0, n + 1, 3] * scale))
+            barrier_sync(STAGED_BARRIER + wg, 128)
+            for i in range(cuda.threadIdx.x % 128, 64 * 8, 128):  # 8 chunks of 16 bytes per row of the panel
+                r, c = 64 * wg + i // 8, 8 * (i % 8)
+                if row0 + r < nrows:
+                    row, col = sw128_cell(int64(V_ROW0), BLOCK_N, r, c)
+                    copy_16_to_global(dst, (at, h, row0 + r, 64 * p + c), view, row, col)
+            barrier_sync(STAGED_BARRIER + wg, 128)  # the panel is read before the next one is staged
 
     @cuda.jit(device=True, forceinline=True)
     def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
@@ -375,10 +404,13 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             head, m_tile, stage, parity = next_head, next_tile, next_stage, next_parity
             dq_buffer, dq_parity = ring_next(dq_buffer, dq_parity, DQ_STAGES)
 
+        if not PRODUCER:
+            cp_async_wait_group(0)  # with no query tile to visit, K and V may still be landing
+        store_staged(dk, view, dk_acc, D // 64, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, scale, wg, warp, lane)
+        store_staged(dv, view, dv_acc, DV // 64, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, float32(1.0), wg, warp,
+                     lane)
         if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
-        store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
-        store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, 1.0, g, t)
 
     kernel = backward_kernel(backward, sequences)
     if SIMULATOR or not PRODUCER:  # the simulator's jit takes no register limit
