@@ -166,7 +166,6 @@ def training_and_mla_variants():
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward)
-    config = choose_backward_wgmma_config(128, 128, limits["max_shared"], varlen=True)
     yield ("backward-wgmma-bfloat16-causal1-d128-varlen",
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
            backward + SEQUENCE_SIGNATURE[:2])

@@ -121,15 +121,13 @@ def test_warpgroup_gradients(stages, monkeypatch):
 
 
 def test_backward_producer_where_it_fits():
-    """At head dim 128 the wgmma backward's default has a producer warpgroup (with every score modification),
-    not with packed sequences; other head dims have one warpgroup and none."""
-    from numattn.configs.backward import choose_backward_wgmma_config
+    """At head dim 128 the wgmma backward's default has a producer warpgroup and three query stages (with
+    every score modification and packed sequences alike); other head dims have one warpgroup and no
+    producer."""
+    from numattn.configs.backward import BackwardWgmmaConfig, choose_backward_wgmma_config
 
-    def producer(head_dim=128, varlen=False):
-        return choose_backward_wgmma_config(head_dim, head_dim, 227 * 1024, varlen).producer
-
-    assert producer() and not producer(varlen=True)
-    assert not producer(head_dim=64)
+    assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3)
+    assert not choose_backward_wgmma_config(64, 64, 227 * 1024).producer
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -38,12 +38,12 @@ from .score_mods import NO_OPTIONS
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
 
 
-def backward_config(dtype, head_dim, head_dim_v, device=0, sequences=DENSE):
-    """The tensor-core backward's tile configuration for these operands and sequence layout (a
-    ``BackwardWgmmaConfig`` or ``BackwardMmaConfig``), or None for the CUDA-core path."""
+def backward_config(dtype, head_dim, head_dim_v, device=0):
+    """The tensor-core backward's tile configuration for these operands (a ``BackwardWgmmaConfig`` or
+    ``BackwardMmaConfig``), or None for the CUDA-core path."""
     limits = device_limits(device)
     if backward_wgmma_supported(dtype, head_dim, head_dim_v, limits["cc"]):
-        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"], sequences.varlen)
+        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"])
         if config is not None:
             return config
     if not backward_mma_supported(dtype, head_dim, head_dim_v):
@@ -188,7 +188,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     dtype = str(q.dtype).removeprefix("torch.")
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     layout = DENSE if sequences is None else SequenceLayout(varlen=True)
-    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index, layout)
+    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
     specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods, layout)
     unused = torch.zeros(1, dtype=torch.float32, device=q.device)
