@@ -33,7 +33,7 @@ SOURCES = {
     "decode-h200": "bench-h200-2026-11-24d",
     "decode-h100": "bench-h100-2026-11-24f",
     "mla": "bench-h100-2026-11-24c",
-    "training": "bench-h200-2026-11-27",
+    "training": "bench-h200-2026-11-28",
     "graph": "graph-h200-2026-11-27c",
     "checked": "bench-h200-2026-11-26",
     "cold-start": "coldstart-h200-2026-11-27d",

@@ -19,12 +19,14 @@ equal share in every warp) adds its row with a bulk asynchronous reduction
 (``cp.reduce.async.bulk``; one per row measured faster than one per two or four
 rows); with two staging buffers a tile's reductions read while the next tile
 is computed. Q and dO tiles, with their rows of lse₂ and
-delta, stream through two ``cp.async`` stages; K and V are copied once. All
+delta, stream through ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
+At the end each warpgroup writes its dK and dV rows through its own rows of the V
+tile, which no other warpgroup reads, so that each global store is a 16-byte chunk.
 
 With a ``producer`` one more warpgroup, holding few registers (``setmaxnreg``), takes
-the copies and the dQ reductions (a row per thread of two warps, a tile behind the
-copies) off the computing warpgroups: mbarriers tell when a query stage is full and when the
+the copies and the dQ reductions (a row per thread of two warps; a tile's dQ is
+added once the copy into the stage it gave up is issued) off the computing warpgroups: mbarriers tell when a query stage is full and when the
 computing warpgroups are done with it, when a dQ tile is staged and when its
 buffer has been read, so that the computing warpgroups meet only around the dS
 tile (a named barrier) and never wait for a copy to be issued or a reduction to
