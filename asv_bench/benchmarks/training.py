@@ -1,7 +1,8 @@
 """asv benchmarks of numattn.torch.attention forward + backward on the GPU (skipped without one):
 median milliseconds of CUDA-event-timed steps, bf16, W8's shape family at a quarter of its size
-(B1 H16 L2048; the full W8 table: ``python -m numattn bench --training``), and causal steps with each
-score modification (``benchmarks/variants.py --training`` compares them with FlexAttention)."""
+(B1 H16 L2048; the full W8 table: ``python -m numattn bench --training``), causal steps with each
+score modification (``benchmarks/variants.py --training`` compares them with FlexAttention), and causal
+steps on packed sequences against the padded batch."""
 
 import numattn
 from numattn.bench import cuda_time_ms
@@ -64,6 +65,44 @@ class ForwardBackwardVariants(AttentionForwardBackward):
         self.step()  # compile outside the timing
 
     def track_ms(self, variant):
+        return cuda_time_ms(self.step)
+
+    track_ms.unit = "ms"
+
+
+class PackedForwardBackward(AttentionForwardBackward):
+    """Causal steps on four sequences of 2048 (H16 D128 bf16): ``numattn.torch.attention_varlen`` on them
+    packed, and ``numattn.torch.attention`` on the padded batch."""
+
+    params = (["padded batch", "packed"],)
+    param_names = ["layout"]
+
+    def setup(self, layout):
+        if numattn.SIMULATOR:
+            raise NotImplementedError("needs an NVIDIA GPU")
+        import torch
+
+        import numattn.torch as nt
+
+        batch, seqlen, heads, head_dim = 4, 2048, 16, 128
+        rows = (batch * seqlen, heads, head_dim)
+        self.q, self.k, self.v = (torch.randn(rows, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                                  for _ in range(3))
+        self.do = torch.randn(rows, device="cuda", dtype=torch.bfloat16)
+        lengths = torch.arange(0, batch * seqlen + 1, seqlen, device="cuda", dtype=torch.int32)
+        if layout == "packed":
+            self.attend = lambda q, k, v: nt.attention_varlen(q, k, v, lengths, lengths, seqlen, seqlen, causal=True)
+        else:  # [batch, heads, seqlen, head_dim] views of the same rows
+            self.attend = lambda q, k, v: nt.attention(
+                *(x.view(batch, seqlen, heads, head_dim).transpose(1, 2) for x in (q, k, v)), causal=True
+            ).transpose(1, 2).reshape(rows)
+        self.step()  # compile outside the timing
+
+    def step(self):
+        self.q.grad = self.k.grad = self.v.grad = None
+        self.attend(self.q, self.k, self.v).backward(self.do)
+
+    def track_ms(self, layout):
         return cuda_time_ms(self.step)
 
     track_ms.unit = "ms"
