@@ -26,11 +26,12 @@ tile, which no other warpgroup reads, so that each global store is a 16-byte chu
 
 With a ``producer`` one more warpgroup, holding few registers (``setmaxnreg``), takes
 the copies and the dQ reductions (a row per thread of two warps; a tile's dQ is
-added once the copy into the stage it gave up is issued) off the computing warpgroups: mbarriers tell when a query stage is full and when the
-computing warpgroups are done with it, when a dQ tile is staged and when its
-buffer has been read, so that the computing warpgroups meet only around the dS
-tile (a named barrier) and never wait for a copy to be issued or a reduction to
-be accepted, FlashAttention-3's division of the backward.
+added once the copy into the stage it gave up is issued) off the computing
+warpgroups: mbarriers tell when a query stage is full and when the computing
+warpgroups are done with it, when a dQ tile is staged and when its buffer has been
+read, so that the computing warpgroups meet only around the dS tile (a named
+barrier) and never wait for a copy to be issued or a reduction to be accepted,
+FlashAttention-3's division of the backward.
 
 Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligned rows.
 """
