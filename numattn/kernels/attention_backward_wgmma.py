@@ -407,8 +407,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             head, m_tile, stage, parity = next_head, next_tile, next_stage, next_parity
             dq_buffer, dq_parity = ring_next(dq_buffer, dq_parity, DQ_STAGES)
 
-        if not PRODUCER:
-            cp_async_wait_group(0)  # with no query tile to visit, K and V may still be landing
+        if not PRODUCER:  # with no query tile visited, every thread's copies of K and V may still be landing
+            cp_async_wait_group(0)
+            cuda.syncthreads()
         store_staged(dk, view, dk_acc, D // 64, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, scale, wg, warp, lane)
         store_staged(dv, view, dv_acc, DV // 64, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, float32(1.0), wg, warp,
                      lane)
