@@ -276,16 +276,18 @@ def sequence_gradients(q, k, v, do, cu_q, cu_k, sinks=None, dtype=None, **option
 
 
 @pytest.mark.parametrize("path, dtype, head_dim", [("cpu", "float32", 32), ("simulator", "float32", 32),
-                                                   ("simulator", "float16", 48), ("simulator", "bfloat16", 64)],
-                         ids=["cpu", "cuda-cores", "mma", "wgmma"])
+                                                   ("simulator", "float16", 48), ("simulator", "bfloat16", 64),
+                                                   ("simulator", "bfloat16", 128)],
+                         ids=["cpu", "cuda-cores", "mma", "wgmma", "wgmma-producer"])
 def test_gradients_of_packed_sequences(rng, path, dtype, head_dim):
     """``numattn.torch.attention_varlen``'s gradients (the sinks' too) with options, GQA, an empty sequence, one
     of a single row and more keys than queries: the CPU path, and in the simulator each backward kernel family
-    (the CUDA-core kernels, mma.sync at head dim 48, wgmma at 64), against float64 autograd."""
+    (the CUDA-core kernels, mma.sync at head dim 48, wgmma at 64, and at 128 beside a producer warpgroup, with
+    key blocks that visit no query tile or fewer than its stages), against float64 autograd."""
     torch = pytest.importorskip("torch")
     import numattn.torch as numattn_torch
 
-    heads_q, heads_kv = (2, 1) if head_dim == 64 else (4, 2)  # the wgmma kernel simulates slowly: fewer heads
+    heads_q, heads_kv = (2, 1) if head_dim >= 64 else (4, 2)  # the wgmma kernels simulate slowly: fewer heads
     q, k, v, cu_q, cu_k = packed(rng, [3, 0, 19, 1, 7], [4, 2, 25, 3, 7], heads_q, heads_kv, head_dim)
     q, k, v = (torch.from_numpy(x).to(getattr(torch, dtype)) for x in (q, k, v))
     cu_q, cu_k = torch.from_numpy(cu_q), torch.from_numpy(cu_k)

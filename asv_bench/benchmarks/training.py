@@ -2,7 +2,7 @@
 median milliseconds of CUDA-event-timed steps, bf16, W8's shape family at a quarter of its size
 (B1 H16 L2048; the full W8 table: ``python -m numattn bench --training``), causal steps with each
 score modification (``benchmarks/variants.py --training`` compares them with FlexAttention), and causal
-steps on packed sequences against the padded batch."""
+steps on packed sequences of one length against the same rows as a dense batch."""
 
 import numattn
 from numattn.bench import cuda_time_ms
@@ -72,9 +72,10 @@ class ForwardBackwardVariants(AttentionForwardBackward):
 
 class PackedForwardBackward(AttentionForwardBackward):
     """Causal steps on four sequences of 2048 (H16 D128 bf16): ``numattn.torch.attention_varlen`` on them
-    packed, and ``numattn.torch.attention`` on the padded batch."""
+    packed, and ``numattn.torch.attention`` on ``[batch, heads, seqlen, head_dim]`` views of the same rows
+    (a dense batch: what packing costs)."""
 
-    params = (["padded batch", "packed"],)
+    params = (["dense batch", "packed"],)
     param_names = ["layout"]
 
     def setup(self, layout):
@@ -92,15 +93,18 @@ class PackedForwardBackward(AttentionForwardBackward):
         lengths = torch.arange(0, batch * seqlen + 1, seqlen, device="cuda", dtype=torch.int32)
         if layout == "packed":
             self.attend = lambda q, k, v: nt.attention_varlen(q, k, v, lengths, lengths, seqlen, seqlen, causal=True)
-        else:  # [batch, heads, seqlen, head_dim] views of the same rows
-            self.attend = lambda q, k, v: nt.attention(
-                *(x.view(batch, seqlen, heads, head_dim).transpose(1, 2) for x in (q, k, v)), causal=True
-            ).transpose(1, 2).reshape(rows)
+            self.grad_out = self.do
+        else:
+            def dense(x):
+                return x.view(batch, seqlen, heads, head_dim).transpose(1, 2)
+
+            self.attend = lambda q, k, v: nt.attention(dense(q), dense(k), dense(v), causal=True)
+            self.grad_out = dense(self.do)
         self.step()  # compile outside the timing
 
     def step(self):
         self.q.grad = self.k.grad = self.v.grad = None
-        self.attend(self.q, self.k, self.v).backward(self.do)
+        self.attend(self.q, self.k, self.v).backward(self.grad_out)
 
     def track_ms(self, layout):
         return cuda_time_ms(self.step)

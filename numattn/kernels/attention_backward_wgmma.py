@@ -17,8 +17,8 @@ accumulator: the warpgroups stage the tile's dQ rows in shared memory (rows
 padded so that 8-byte stores meet no bank conflicts), and a thread per row (an
 equal share in every warp) adds its row with a bulk asynchronous reduction
 (``cp.reduce.async.bulk``; one per row measured faster than one per two or four
-rows); with two staging buffers a tile's reductions read while the next tile
-is computed. Q and dO tiles, with their rows of lse₂ and
+rows); with two staging buffers (``dq_stages``) a tile's reductions read while
+the next tile is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 At the end each warpgroup writes its dK and dV rows through its own rows of the V
