@@ -334,6 +334,24 @@ def test_copies_from_global_addresses(rng, where):
     assert np.array_equal(out.copy_to_host(), expected)
 
 
+@pytest.mark.sim
+def test_simulated_copies_land_at_the_wait(rng):
+    """The twins of ``cp.async`` land at their thread's wait for their group, not when issued, so that the
+    simulator shows a tile read before its copies are waited for as stale (the GPU may show either)."""
+    if not numattn.SIMULATOR:
+        pytest.skip("the simulator's semantics")
+    from numba import cuda
+
+    from warp_kernels import async_landing_kernel
+
+    src = rng.integers(0, 0xABCD, size=(2, 16), dtype=np.uint16)
+    out = cuda.to_device(np.zeros((3, 16), np.uint16))
+    async_landing_kernel[1, 1, 0, 64](cuda.to_device(src), out)
+    stale = np.full(16, 0xABCD, np.uint16)
+    assert np.array_equal(out.copy_to_host(),
+                          [stale, np.concatenate([src[0, :8], stale[8:]]), src[0]])
+
+
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("headroom", [0.0, 8.0])
 def test_online_softmax_headroom(rng, where, headroom):

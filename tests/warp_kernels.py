@@ -213,6 +213,31 @@ def address_copy_kernel(src, out):
 
 
 @cuda.jit
+def async_landing_kernel(src, out):
+    """One thread fills a shared row with 0xABCD, copies ``src[0, 0:8]`` and, in a second group,
+    ``src[0, 8:16]`` into it with ``cp_async_16_at``, and records the row before any wait (``out[0]``), after
+    waiting for all groups but the last (``out[1]``) and after waiting for all (``out[2]``). The simulator
+    lands a copy at its thread's wait; on the GPU a copy may land any time before."""
+    smem = cuda.shared.array(0, uint16)
+    tile = tile_view(smem, 0, 1, 16)
+    for c in range(16):
+        tile[0, c] = 0xABCD
+    row = global_address(src, (0, 0))
+    cp_async_16_at(tile, 0, 0, row, 16)
+    cp_async_commit()
+    cp_async_16_at(tile, 0, 8, row + 16, 16)
+    cp_async_commit()
+    for c in range(16):
+        out[0, c] = tile[0, c]
+    cp_async_wait_group(1)
+    for c in range(16):
+        out[1, c] = tile[0, c]
+    cp_async_wait_group(0)
+    for c in range(16):
+        out[2, c] = tile[0, c]
+
+
+@cuda.jit
 def word_gather_kernel(table, order, out):
     """Lane l copies ``table[order[l], ::3][:, l % 4]`` (a strided view) into a shared int32 ring row
     ``l % 2`` with ``cp_async_4``, then reads it back into ``out[l]``; lanes ≥ 24 copy nothing and

@@ -8,6 +8,7 @@ from numba import types
 from numba.cuda.extending import intrinsic, overload
 
 from ._core import _asm, _bind, _exchange_lock, _i32, _shared_address
+from .copies import land_async_copies
 
 # --------------------------------------------------------------------------
 # Shared-memory barriers (mbarrier)
@@ -65,6 +66,7 @@ def cp_async_mbarrier_arrive(bars, index):
 
     Emits ``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: the arrival is one of the barrier's ``count``.
     """
+    land_async_copies(None)
     mbarrier_arrive(bars, index)
 
 

@@ -1,6 +1,7 @@
 """Memory movement: asynchronous global-to-shared copies, read-only and L2 global loads, bulk
 reductions into global memory (sm_90), shared-memory stores and 16-byte shared-to-global copies."""
 
+import collections
 import threading
 
 import numpy as np
@@ -25,6 +26,32 @@ from ._core import (
 # --------------------------------------------------------------------------
 # Asynchronous global-to-shared copies
 # --------------------------------------------------------------------------
+# The twins land a thread's copies as late as the GPU may: when that thread waits for their group
+# (``cp_async_wait_group``) or arrives at an mbarrier behind them (``cp_async_mbarrier_arrive``), so that
+# reading a tile before every copying thread has waited for its copies (and met the reader at a barrier)
+# reads stale data in the simulator as it may on the GPU.
+
+_async_copies = threading.local()  # of each simulated thread: its open group and its committed groups
+
+
+def _copy_groups():
+    state = _async_copies
+    if not hasattr(state, "open"):
+        state.open, state.committed = [], collections.deque()
+    return state
+
+
+def land_async_copies(pending=0):
+    """Land the calling thread's copies: every group but the ``pending`` last committed ones, and with
+    ``pending`` None its open group too (the twins' completion of ``cp.async``)."""
+    state = _copy_groups()
+    while len(state.committed) > (pending or 0):
+        for copy in state.committed.popleft():
+            copy()
+    if pending is None:
+        for copy in state.open:
+            copy()
+        state.open = []
 
 
 def cp_async_16(dst, row, col, src, index, nbytes):
@@ -35,7 +62,7 @@ def cp_async_16(dst, row, col, src, index, nbytes):
     ``src.ndim`` ints. Only the first ``nbytes`` bytes (0 to 16, whole
     elements) are read, the rest of the 16 are zero-filled. Emits
     ``cp.async.cg.shared.global`` with ``nbytes`` as its source size; the copy
-    completes at ``cp_async_wait_group``. The twin copies at once.
+    completes at ``cp_async_wait_group``. The twin's copy lands there too (``land_async_copies``).
     """
     cp_async_16_at(dst, row, col, global_address(src, index), nbytes)
 
@@ -69,9 +96,13 @@ def cp_async_4(dst, row, col, src, index):
     ``dst[row, col]`` of a 2-D shared array of a 4-byte dtype, without holding a register for it.
 
     Emits ``cp.async.ca.shared.global`` of 4 bytes: a small dependent value (a page index) fetched
-    well ahead of its use, completing with its commit group. The twin copies at once.
+    well ahead of its use, completing with its commit group (the twin's copy too).
     """
-    dst[row, col] = src[index]
+
+    def land():
+        dst[row, col] = src[index]
+
+    _copy_groups().open.append(land)
 
 
 @intrinsic
@@ -145,8 +176,12 @@ def cp_async_16_at(dst, row, col, address, nbytes):
     (``global_address`` plus a byte offset) to ``dst[row, col]``."""
     count = 16 // dst.itemsize
     src, index = address.array, address.index
-    for i in range(count):
-        dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if i * dst.itemsize < nbytes else 0
+
+    def land():
+        for i in range(count):
+            dst[row, col + i] = src[(*index[:-1], index[-1] + i)] if i * dst.itemsize < nbytes else 0
+
+    _copy_groups().open.append(land)
 
 
 @intrinsic
@@ -198,6 +233,9 @@ _bind(st_global_b32_at, _st_global_b32_at)
 def cp_async_commit():
     """``cp_async_commit()``: close the group of ``cp_async_16`` (and ``cp_async_4``) copies issued so far
     (``cp.async.commit_group``)."""
+    state = _copy_groups()
+    state.committed.append(state.open)
+    state.open = []
 
 
 _bind(cp_async_commit, _statement_intrinsic("cp.async.commit_group;"))
@@ -209,6 +247,7 @@ def cp_async_wait_group(pending):
     Emits ``cp.async.wait_group N``. Follow it with a barrier before reading
     what other threads copied.
     """
+    land_async_copies(int(pending))
 
 
 _bind_constant_statement(cp_async_wait_group, "cp.async.wait_group")
