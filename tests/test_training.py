@@ -6,6 +6,7 @@ torch = pytest.importorskip("torch")
 
 import numattn  # noqa: E402
 import numattn.torch as nt  # noqa: E402
+from numattn.configs.backward import BackwardWgmmaConfig  # noqa: E402
 
 GRAD_ATOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
@@ -100,22 +101,22 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
     check_gradients(q, k, v, causal)
 
 
-@pytest.mark.parametrize("stages", [0, 2, 3], ids=["computing-warpgroups-copy", "producer", "producer-3-stages"])
-def test_warpgroup_gradients(stages, monkeypatch):
+@pytest.mark.parametrize("producer_config", [None, BackwardWgmmaConfig(2, 2, producer=True),
+                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3)],
+                         ids=["computing-warpgroups-copy", "producer", "producer-3-stages"])
+def test_warpgroup_gradients(producer_config, monkeypatch):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
     query tiles enough to go round the stages, two key blocks, causal with partial tiles; the default
     configuration at head dim 64, and two warpgroups beside a producer at head dim 128, with two stages of
     query tiles and two dQ buffers or three and one."""
     import numattn.ops.backward
-    from numattn.configs.backward import BackwardWgmmaConfig
     from numattn.ops.backward import backward_config
 
     assert isinstance(backward_config("bfloat16", 64, 64), BackwardWgmmaConfig)
-    head_dim, seqlen_kv = (128, 150) if stages else (64, 100)
-    if stages:
-        config = BackwardWgmmaConfig(2, 4 - stages, producer=True, stages=stages)
-        monkeypatch.setattr(numattn.ops.backward, "choose_backward_wgmma_config", lambda *_: config)
-    q = leaf((1, 2, 200 if stages else 70, head_dim), torch.bfloat16)
+    head_dim, seqlen_kv = (128, 150) if producer_config else (64, 100)
+    if producer_config:
+        monkeypatch.setattr(numattn.ops.backward, "choose_backward_wgmma_config", lambda *_: producer_config)
+    q = leaf((1, 2, 200 if producer_config else 70, head_dim), torch.bfloat16)
     k, v = leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16), leaf((1, 1, seqlen_kv, head_dim), torch.bfloat16)
     check_gradients(q, k, v, causal=True)
 
@@ -124,7 +125,7 @@ def test_backward_producer_where_it_fits():
     """At head dim 128 the wgmma backward's default has a producer warpgroup and three query stages (with
     every score modification and packed sequences alike); other head dims have one warpgroup and no
     producer."""
-    from numattn.configs.backward import BackwardWgmmaConfig, choose_backward_wgmma_config
+    from numattn.configs.backward import choose_backward_wgmma_config
 
     assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3)
     assert not choose_backward_wgmma_config(64, 64, 227 * 1024).producer

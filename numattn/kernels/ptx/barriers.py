@@ -66,7 +66,7 @@ def cp_async_mbarrier_arrive(bars, index):
 
     Emits ``cp.async.mbarrier.arrive.noinc.shared::cta.b64``: the arrival is one of the barrier's ``count``.
     """
-    land_async_copies(None)
+    land_async_copies(0, uncommitted=True)
     mbarrier_arrive(bars, index)
 
 

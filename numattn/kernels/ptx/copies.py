@@ -41,14 +41,14 @@ def _copy_groups():
     return state
 
 
-def land_async_copies(pending=0):
-    """Land the calling thread's copies: every group but the ``pending`` last committed ones, and with
-    ``pending`` None its open group too (the twins' completion of ``cp.async``)."""
+def land_async_copies(pending, uncommitted=False):
+    """Land the calling thread's copies: every committed group but the ``pending`` last ones, and with
+    ``uncommitted`` the copies of its open group too (the twins' completion of ``cp.async``)."""
     state = _copy_groups()
-    while len(state.committed) > (pending or 0):
+    while len(state.committed) > pending:
         for copy in state.committed.popleft():
             copy()
-    if pending is None:
+    if uncommitted:
         for copy in state.open:
             copy()
         state.open = []
