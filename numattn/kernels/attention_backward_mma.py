@@ -34,6 +34,7 @@ from .._cuda import cuda
 from .constants import LOG2E_F32
 from .fragments import ldmatrix_lane, load_a, load_a_trans, load_b, load_b_trans
 from .ptx import (
+    copy_16_to_global,
     cp_async_16,
     cp_async_commit,
     cp_async_wait_group,
@@ -44,10 +45,11 @@ from .ptx import (
     pack_bf16x2,
     pack_f16x2,
     st_shared_b32,
+    syncwarp,
 )
 from .score_mods import NO_MODS, crosses_window, score_gradient, window_queries
 from .sequences import DENSE, backward_kernel, key_block_locator
-from .tiles import NARROW, PAD, row_major_cell, tile_copier, tile_view
+from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -55,7 +57,7 @@ _ONE = np.float32(1.0)
 
 @functools.lru_cache(maxsize=None)
 def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copier=0):
-    """Device functions ``(copy_rows, to_gradients, store_rows, add_dq)`` shared by the tensor-core backward
+    """Device functions ``(copy_rows, to_gradients, add_dq)`` shared by the tensor-core backward
     kernels whose copies are issued by ``num_threads`` threads from thread ``first_copier`` on, for a warp's
     accumulator tiles (mma.sync's layout:
     entry ``e`` of n8 tile ``n`` is row ``g + 8·(e // 2)``, column ``8n + 2t + e % 2`` of the warp's 16
@@ -65,7 +67,6 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
     WINDOW, ELEMENTWISE = mods.window, mods.elementwise
     gradient = score_gradient(mods)
     ROW_CHUNKS = 2 * mtiles  # 16-byte chunks of a query tile's lse2 (or delta) row
-    narrow = NARROW[dtype]
 
     @cuda.jit(device=True, forceinline=True)
     def copy_rows(rows, lse2, delta, b, h, m0):
@@ -130,17 +131,6 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                     dp[0, n, e] = p * (dp[0, n, e] - delta)
 
     @cuda.jit(device=True, forceinline=True)
-    def store_rows(dst, acc, tiles, b, h, row0, nrows, scale, g, t):
-        """``scale ·`` the warp's accumulator ``acc[0]`` (``tiles`` n8 tiles) into rows ``row0 + 0..15`` of
-        ``dst[b, h]`` that lie below ``nrows``."""
-        for half in range(2):
-            row = row0 + g + 8 * half
-            if row < nrows:
-                for n in range(tiles):
-                    dst[b, h, row, 8 * n + 2 * t] = narrow(acc[0, n, 2 * half] * scale)
-                    dst[b, h, row, 8 * n + 2 * t + 1] = narrow(acc[0, n, 2 * half + 1] * scale)
-
-    @cuda.jit(device=True, forceinline=True)
     def add_dq(dq, acc, mt, tiles, b, h, row0, col0, seqlen_q, scale, g, t):
         """Atomically add ``scale ·`` the ``tiles`` accumulator tiles of m16 tile ``mt`` (queries
         ``row0 + 0..15``, columns from ``col0``) to ``dq[b, h]``, rows below ``seqlen_q``."""
@@ -152,7 +142,7 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                     cuda.atomic.add(dq, (b, h, row, col), acc[mt, n, 2 * half] * scale)
                     cuda.atomic.add(dq, (b, h, row, col + 1), acc[mt, n, 2 * half + 1] * scale)
 
-    return copy_rows, to_gradients, store_rows, add_dq
+    return copy_rows, to_gradients, add_dq
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +183,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
     mma = mma_m16n8k16_bf16 if dtype == "bfloat16" else mma_m16n8k16_f16
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
     copy_tile = tile_copier(NUM_THREADS, row_major_cell)
-    copy_rows, to_gradients, store_rows, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
+    copy_rows, to_gradients, add_dq = gradient_steps(MTILES, causal, dtype, NUM_THREADS, mods)
     WINDOW, ALIBI = mods.window, mods.alibi
     VARLEN = sequences.varlen
     locate = key_block_locator(sequences)
@@ -225,6 +215,24 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         a[1] = pack(c[0, n, 2], c[0, n, 3])
         a[2] = pack(c[0, n + 1, 0], c[0, n + 1, 1])
         a[3] = pack(c[0, n + 1, 2], c[0, n + 1, 3])
+
+    @cuda.jit(device=True, forceinline=True)
+    def store_staged(dst, acc, tiles, v_s, at, h, row0, nrows, scale, key0, g, t, lane):
+        """``scale ·`` the warp's 16 rows of a key block's gradient (``acc``, ``tiles`` n8 tiles) into rows
+        ``row0 + key0 ..`` of ``dst[at, h]`` below ``nrows``, ``DV`` columns at a time through the warp's own
+        rows of the V tile (which no other warp reads), so that each global store is a 16-byte chunk of a row."""
+        for col0 in range(0, 8 * tiles, DV):
+            chunks = min(DV, 8 * tiles - col0) // 8  # of the row's 16-byte chunks, this pass's
+            for n in range(chunks):
+                for half in range(2):
+                    st_shared_b32(v_s, key0 + g + 8 * half, 8 * n + 2 * t,
+                                  pack(acc[0, col0 // 8 + n, 2 * half] * scale, acc[0, col0 // 8 + n, 2 * half + 1] * scale))
+            syncwarp()
+            for i in range(lane, 16 * chunks, 32):
+                r, c = i // chunks, 8 * (i % chunks)
+                if row0 + key0 + r < nrows:
+                    copy_16_to_global(dst, (at, h, row0 + key0 + r, col0 + c), v_s, key0 + r, c)
+            syncwarp()  # read before the next pass is staged
 
     @cuda.jit(device=True)
     def load_query_tile(smem, smem_f, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0):
@@ -353,7 +361,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
                 add_dq(dq, dq_acc, mt, DQ_TILES, at, h, q_row0 + m0 + dq_row0 + 16 * mt, dq_col0, q_row0 + seqlen_q,
                        scale, g, t)
 
-        store_rows(dk, dk_acc, DTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, scale, g, t)
-        store_rows(dv, dv_acc, DVTILES, at, h_kv, k_row0 + n0 + key0, k_row0 + seqlen_kv, _ONE, g, t)
+        cp_async_wait_group(0)  # with no query tile to visit, K and V may still be landing
+        store_staged(dk, dk_acc, DTILES, v_s, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, scale, key0, g, t, lane)
+        store_staged(dv, dv_acc, DVTILES, v_s, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, _ONE, key0, g, t, lane)
 
     return cuda.jit(backward_kernel(backward, sequences))

@@ -136,7 +136,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
     copy_tile = tile_copier(COPIERS, sw128_cell, stepping=PRODUCER, first_thread=FIRST_COPIER)
-    copy_rows, to_gradients, _, _ = gradient_steps(MTILES, causal, dtype, COPIERS, mods, FIRST_COPIER)
+    copy_rows, to_gradients, _ = gradient_steps(MTILES, causal, dtype, COPIERS, mods, FIRST_COPIER)
     WINDOW, ALIBI = mods.window, mods.alibi
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
     VARLEN = sequences.varlen
