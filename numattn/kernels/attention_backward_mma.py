@@ -361,7 +361,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
                 add_dq(dq, dq_acc, mt, DQ_TILES, at, h, q_row0 + m0 + dq_row0 + 16 * mt, dq_col0, q_row0 + seqlen_q,
                        scale, g, t)
 
-        cp_async_wait_group(0)  # with no query tile to visit, K and V may still be landing
+        cp_async_wait_group(0)  # with no query tile visited, every thread's copies of K and V may still be landing
+        cuda.syncthreads()
         store_staged(dk, dk_acc, DTILES, v_s, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, scale, key0, g, t, lane)
         store_staged(dv, dv_acc, DVTILES, v_s, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, _ONE, key0, g, t, lane)
 
