@@ -12,7 +12,7 @@ import torch
 
 import numattn
 from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32, global_address
-from numattn.kernels.tiles import tile_view
+from numattn.kernels.tiles import row_of_batch, sw128_cell, tile_copier, tile_view
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
 
@@ -69,6 +69,17 @@ def test_tile_view_twin():
     assert tile.shape == (3, 5) and tile[2, 4] == 6 + 2 * 5 + 4
     tile[0, 0] = -1
     assert buf[6] == -1  # a view, not a copy
+
+
+def test_tile_copier_is_made_once_for_the_same_arguments():
+    """A kernel asking for the same copier with its defaults left out, or passed by keyword, gets the very
+    device function it got before (numba types and lowers each device function object apart: a second one
+    is a second compile of the same code)."""
+    copier = tile_copier(128, sw128_cell, stepping=True, first_thread=256)
+    assert tile_copier(128, sw128_cell, row_of_batch, True, 256) is copier
+    assert tile_copier(128, sw128_cell, source=row_of_batch, stepping=True, first_thread=256) is copier
+    assert tile_copier(128, sw128_cell) is tile_copier(128, sw128_cell, row_of_batch, False, 0)
+    assert tile_copier(128, sw128_cell, stepping=False) is not copier
 
 
 @pytest.mark.sim

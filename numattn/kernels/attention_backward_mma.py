@@ -28,7 +28,7 @@ nothing to dK or dV and their dQ rows are not written.
 import functools
 
 import numpy as np
-from numba import float32, uint16, uint32
+from numba import float32, int64, uint16, uint32
 
 from .._cuda import cuda
 from .constants import LOG2E_F32
@@ -203,8 +203,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
             a0, a1, a2, a3 = load_a(keys_s, key0, 16 * ks, mat, mrow, False)
             for np2 in range(MTILES // 2):
                 b0, b1, b2, b3 = load_b(queries_s, 16 * np2, 16 * ks, mat, mrow, False)
-                mma_into(c, 0, 2 * np2, a0, a1, a2, a3, b0, b1)
-                mma_into(c, 0, 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
+                mma_into(c, int64(0), 2 * np2, a0, a1, a2, a3, b0, b1)
+                mma_into(c, int64(0), 2 * np2 + 1, a0, a1, a2, a3, b2, b3)
 
     @cuda.jit(device=True, forceinline=True)
     def fragment(a, c, kk):
@@ -239,9 +239,9 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         """Issue the copies of query tile ``m0`` of head ``h`` (rows from ``q_row0`` of ``q[at, h]``, from ``rows0``
         of ``lse2[at, h]``, as ``sequences.key_block_locator`` says): Q and dO rows (rows past the end read 0)
         and its rows of lse2 and delta."""
-        copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, BLOCK_M, q, at, h, q_row0 + m0,
+        copy_tile(tile_view(smem, Q_OFF + stage * Q_STAGE, BLOCK_M, Q_ROW), 0, int64(BLOCK_M), q, at, h, q_row0 + m0,
                   q_row0 + seqlen_q, D)
-        copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, BLOCK_M, do, at, h, q_row0 + m0,
+        copy_tile(tile_view(smem, DO_OFF + stage * DO_STAGE, BLOCK_M, DO_ROW), 0, int64(BLOCK_M), do, at, h, q_row0 + m0,
                   q_row0 + seqlen_q, DV)
         copy_rows(tile_view(smem_f, ROWS_OFF + stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
@@ -271,8 +271,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
         v_s = tile_view(smem, V_OFF, BLOCK_N, V_ROW)
         ds_s = tile_view(smem, DS_OFF, BLOCK_N, DS_ROW)  # dSᵀ: keys × query columns
 
-        copy_tile(k_s, 0, BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-        copy_tile(v_s, 0, BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+        copy_tile(k_s, 0, int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(v_s, 0, int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
         cp_async_commit()
         for j in range(IN_FLIGHT):
             if j < n_iters:
@@ -329,8 +329,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
                 fragment(a, s, kk)
                 for np2 in range(DVTILES // 2):
                     b0, b1, b2, b3 = load_b_trans(do_s, 16 * kk, 16 * np2, mat, mrow, False)
-                    mma_into(dv_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
-                    mma_into(dv_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+                    mma_into(dv_acc, int64(0), 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dv_acc, int64(0), 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
                 fragment(a, dp, kk)
                 st_shared_b32(ds_s, key0 + g, 16 * kk + 2 * t, a[0])
                 st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 2 * t, a[1])
@@ -338,8 +338,8 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
                 st_shared_b32(ds_s, key0 + g + 8, 16 * kk + 8 + 2 * t, a[3])
                 for np2 in range(DTILES // 2):
                     b0, b1, b2, b3 = load_b_trans(q_s, 16 * kk, 16 * np2, mat, mrow, False)
-                    mma_into(dk_acc, 0, 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
-                    mma_into(dk_acc, 0, 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
+                    mma_into(dk_acc, int64(0), 2 * np2, a[0], a[1], a[2], a[3], b0, b1)
+                    mma_into(dk_acc, int64(0), 2 * np2 + 1, a[0], a[1], a[2], a[3], b2, b3)
             cuda.syncthreads()  # dSᵀ complete
 
             # dQ += scale · dS K: A fragments of dS read transposed from dSᵀ, B fragments of K transposed

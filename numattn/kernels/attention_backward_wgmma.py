@@ -147,8 +147,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     def load_query_tile(view, rows_f, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0):
         """Issue the copies of query tile ``m0`` of head ``h`` (Q and dO rows, rows past the end read 0) and its
         rows of lse2 and delta (rows from ``q_row0`` and ``rows0`` of ``[at, h]``: ``sequences.py``)."""
-        copy_tile(view, Q_ROW0 + stage * Q_ROWS, BLOCK_M, q, at, h, q_row0 + m0, q_row0 + seqlen_q, D)
-        copy_tile(view, DO_ROW0 + stage * DO_ROWS, BLOCK_M, do, at, h, q_row0 + m0, q_row0 + seqlen_q, DV)
+        copy_tile(view, Q_ROW0 + stage * Q_ROWS, int64(BLOCK_M), q, at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+        copy_tile(view, DO_ROW0 + stage * DO_ROWS, int64(BLOCK_M), do, at, h, q_row0 + m0, q_row0 + seqlen_q, DV)
         copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
     @cuda.jit(device=True, forceinline=True)
@@ -164,8 +164,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         rows the previous tile of the stage staged are added to the accumulator (row ``reduced_row`` by each
         ``reducer``) and their buffer given back, so that no reduction holds up a copy."""
         # typed, not literal, rows and counters: numba would type and lower the callees once more for literals
-        copy_tile(view, int64(K_ROW0), BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-        copy_tile(view, int64(V_ROW0), BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+        copy_tile(view, int64(K_ROW0), int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+        copy_tile(view, int64(V_ROW0), int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
         head, m_tile, stage, parity = int64(0), int64(0), int64(0), int64(0)  # the tile to copy
         # the tile whose dQ to add
         added_head, added_tile, buffer, buffer_parity = int64(0), int64(0), int64(0), int64(0)
@@ -204,7 +204,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         for p in range(panels):
             for i in range(4):  # the n8 tiles 8p + 2i and 8p + 2i + 1 of rows g and g + 8: stmatrix's four matrices
                 n = 8 * p + 2 * i
-                row, col = sw128_cell(int64(V_ROW0), BLOCK_N, 64 * wg + 16 * (warp % 4) + lane % 8 + 8 * ((lane // 8) % 2),
+                row, col = sw128_cell(int64(V_ROW0), int64(BLOCK_N), 64 * wg + 16 * (warp % 4) + lane % 8 + 8 * ((lane // 8) % 2),
                                       16 * i + 8 * (lane // 16))
                 stmatrix_x4(view, row, col, pack(acc[0, n, 0] * scale, acc[0, n, 1] * scale),
                             pack(acc[0, n, 2] * scale, acc[0, n, 3] * scale),
@@ -214,7 +214,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             for i in range(cuda.threadIdx.x % 128, 64 * 8, 128):  # 8 chunks of 16 bytes per row of the panel
                 r, c = 64 * wg + i // 8, 8 * (i % 8)
                 if row0 + r < nrows:
-                    row, col = sw128_cell(int64(V_ROW0), BLOCK_N, r, c)
+                    row, col = sw128_cell(int64(V_ROW0), int64(BLOCK_N), r, c)
                     copy_16_to_global(dst, (at, h, row0 + r, 64 * p + c), view, row, col)
             barrier_sync(STAGED_BARRIER + wg, 128)  # the panel is read before the next one is staged
 
@@ -264,8 +264,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 return
             grow_registers(CONSUMER_REGISTERS)
         else:
-            copy_tile(view, int64(K_ROW0), BLOCK_N, k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
-            copy_tile(view, int64(V_ROW0), BLOCK_N, v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
+            copy_tile(view, int64(K_ROW0), int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
+            copy_tile(view, int64(V_ROW0), int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
             if n_iters > 0:
                 load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
             cp_async_commit()
@@ -364,7 +364,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
             # queries 16kk + 8(i // 2) ..), stored transposed; lane 8i + j addresses query row j of block i
             for kk in range(MSTEPS):
-                row, col = sw128_cell(int64(DS_ROW0), BLOCK_M, 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
+                row, col = sw128_cell(int64(DS_ROW0), int64(BLOCK_M), 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
                 stmatrix_x4_trans(view, row, col, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3])
             fence_proxy_async()
             if PRODUCER:

@@ -310,11 +310,11 @@ def kernel_steps(dtype, rank, rope, block_n, stages, shared_scores, split, write
         """Start the Q loads of the copy stream's first item (``q_b``, ``q_c``) and, persistent, of the next
         one with keys, into the other half; returns the last item whose Q is loaded."""
         if not PERSISTENT or group == 1:
-            load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 0)
+            load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, int64(0))
         if PERSISTENT:
             q_b, q_c = next_with_keys(q_b, q_c, seqlens, items)
             if q_b < items[0] and group == 1:
-                load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, 1)
+                load_q_async(view, bars, q_nope, q_pe, q_b, q_c * HEADS_PER_BLOCK, heads, int64(1))
         return q_b, q_c
 
     @cuda.jit(device=True, forceinline=True)

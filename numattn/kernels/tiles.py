@@ -93,7 +93,6 @@ def row_of_batch(at, row):
     return at, row
 
 
-@functools.cache
 def tile_copier(num_threads, place, source=row_of_batch, stepping=False, first_thread=0):
     """Device function ``copy(view, tile_row0, rows, src, at, h, row0, nrows, ncols)`` for ``num_threads`` copying
     threads, from thread ``first_thread`` of the block on.
@@ -109,6 +108,12 @@ def tile_copier(num_threads, place, source=row_of_batch, stepping=False, first_t
     takes one address computation and steps by the row stride from copy to copy (fewer instructions per
     copy, a few more registers).
     """
+    return _tile_copier(num_threads, place, source, stepping, first_thread)
+
+
+@functools.cache  # keyed on every argument, positional: a keyword or default would key the same copier apart
+def _tile_copier(num_threads, place, source, stepping, first_thread):
+    """``tile_copier``'s device function, one per set of arguments: each is typed and lowered apart."""
     NUM_THREADS, FIRST_THREAD = num_threads, first_thread
     AFFINE = stepping and source is row_of_batch  # row r of the tile sits r row strides after row 0
 
