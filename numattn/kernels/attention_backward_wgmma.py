@@ -267,7 +267,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             copy_tile(view, int64(K_ROW0), int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
             copy_tile(view, int64(V_ROW0), int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
             if n_iters > 0:
-                load_query_tile(view, rows_f, 0, q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
+                load_query_tile(view, rows_f, int64(0), q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
             cp_async_commit()
 
         dk_acc = cuda.local.array((1, DTILES, 4), float32)
