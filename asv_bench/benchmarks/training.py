@@ -11,7 +11,7 @@ from .attention import VARIANTS, variant_options
 
 
 class AttentionForwardBackward:
-    params = ([64, 128], [False, True])
+    params = ([64, 96, 128], [False, True])  # 96: the mma.sync backward, also on sm_90
     param_names = ["head_dim", "causal"]
     timeout = 300
 
