@@ -14,7 +14,7 @@ Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not
 split, 256 queries over 16384 keys, D128 bf16 and D64 fp16), decode (B64 Hq32 Hkv8
 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (rank 512, rope 64: B768 H64
 L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward (B4 H32 L4096 D128 and D96
-bf16, causal; B4 H16 L8192 D128 causal with a window of 1024, ALiBi or a softcap of 30; four packed causal
+bf16, causal; B8 H16 L2048 D64 bf16 causal; B4 H16 L8192 D128 causal with a window of 1024, ALiBi or a softcap of 30; four packed causal
 sequences of 4096, H32 D128), each with its default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
 Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``: rounds of 50
 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
@@ -114,6 +114,7 @@ def cases(torch, packages):
 
     for head_dim in (128, 96):  # the backward's wgmma kernel on sm_90, and its mma.sync kernel
         training_case(f"B4 H32 L4096 D{head_dim} bf16 causal", (4, 32, 4096, head_dim))
+    training_case("B8 H16 L2048 D64 bf16 causal", (8, 16, 2048, 64))  # the wgmma backward with no producer
     slopes = torch.rand(16, device="cuda") / 4
     for label, options in (("window 1024", dict(window=(1024, 0))), ("ALiBi", dict(alibi_slopes=slopes)),
                            ("softcap 30", dict(softcap=30.0))):  # the score options' kernels

@@ -40,7 +40,7 @@ from numattn.configs.decode import (  # noqa: E402
 )
 from numattn.configs.mla import mla_default_config  # noqa: E402
 from numattn.kernels.attention_backward_mma import backward_mma_kernel  # noqa: E402
-from numattn.kernels.attention_backward_wgmma import backward_wgmma_kernel  # noqa: E402
+from numattn.kernels.attention_backward_wgmma import backward_wgmma_kernel, dq_rows_kernel  # noqa: E402
 from numattn.kernels.attention_mma import mma_attention_kernel  # noqa: E402
 from numattn.kernels.attention_simt import simt_attention_kernel  # noqa: E402
 from numattn.kernels.attention_wgmma import wgmma_attention_kernel  # noqa: E402
@@ -66,9 +66,11 @@ SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types
                    types.float32)
 DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:], *MOD_SIGNATURE)
 ATTENTION_SPLIT_SIGNATURE = SPLIT_SIGNATURE + MOD_SIGNATURE
-# q, k, v, dO, lse2, delta, the float32 dQ accumulator, dK, dV, scale, scale_log2
-BACKWARD_SIGNATURE = (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, 4, "A"), _U16, _U16, types.float32,
-                      types.float32, *MOD_SIGNATURE)
+# q, k, v, dO, lse2, delta, the float32 dQ accumulator (rows; for the wgmma kernel over a batch, tiles in fragment
+# order), dK, dV, scale, scale_log2
+BACKWARD_SIGNATURE, BACKWARD_WGMMA_SIGNATURE = (
+    (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, dq_rank, "A"), _U16, _U16, types.float32, types.float32,
+                   *MOD_SIGNATURE) for dq_rank in (4, 3))
 
 
 def report(ptx):
@@ -124,7 +126,7 @@ def variants():
     # the backward at head dim 128: a producer warpgroup copies the query tiles and adds the dQ tiles
     config = choose_backward_wgmma_config(128, 128, 227 * 1024)
     yield ("backward-wgmma-bfloat16-causal1-d128", backward_wgmma_kernel(config, "bfloat16", 128, 128, True),
-           BACKWARD_SIGNATURE)
+           BACKWARD_WGMMA_SIGNATURE)
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
@@ -159,15 +161,18 @@ def training_and_mla_variants():
         for head_dim in (64, 128):
             config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-wgmma-{dtype}-causal1-d{head_dim}",
-                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), backward)
+                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), BACKWARD_WGMMA_SIGNATURE)
             config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
                    backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
-           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward)
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), BACKWARD_WGMMA_SIGNATURE)
+    yield ("backward-dq-rows-bfloat16-d128", dq_rows_kernel(config, "bfloat16", 128),
+           (types.Array(types.float32, 3, "A"), _U16))
+    packed_config = choose_backward_wgmma_config(128, 128, limits["max_shared"], packed=True)
     yield ("backward-wgmma-bfloat16-causal1-d128-varlen",
-           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
+           backward_wgmma_kernel(packed_config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
            backward + SEQUENCE_SIGNATURE[:2])
     mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
            types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)

@@ -102,13 +102,14 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
 
 
 @pytest.mark.parametrize("producer_config", [None, BackwardWgmmaConfig(2, 2, producer=True),
-                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3)],
-                         ids=["computing-warpgroups-copy", "producer", "producer-3-stages"])
+                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3),
+                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=2)],
+                         ids=["computing-warpgroups-copy", "producer", "producer-3-stages", "producer-2-ds-buffers"])
 def test_warpgroup_gradients(producer_config, monkeypatch):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
     query tiles enough to go round the stages, two key blocks, causal with partial tiles; the default
     configuration at head dim 64, and two warpgroups beside a producer at head dim 128, with two stages of
-    query tiles and two dQ buffers or three and one."""
+    query tiles and two dQ buffers or three and one, and with two dS buffers."""
     import numattn.ops.backward
     from numattn.ops.backward import backward_config
 
@@ -123,11 +124,14 @@ def test_warpgroup_gradients(producer_config, monkeypatch):
 
 def test_backward_producer_where_it_fits():
     """At head dim 128 the wgmma backward's default has a producer warpgroup and three query stages (with
-    every score modification and packed sequences alike); other head dims have one warpgroup and no
-    producer."""
+    every score modification and packed sequences alike) and two dS buffers (one beside packed sequences'
+    padded dQ rows); other head dims have one warpgroup and no producer."""
     from numattn.configs.backward import choose_backward_wgmma_config
 
-    assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3)
+    assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3,
+                                                                                     ds_stages=2)
+    assert choose_backward_wgmma_config(128, 128, 227 * 1024, packed=True) == BackwardWgmmaConfig(
+        2, 1, producer=True, stages=3, packed=True)
     assert not choose_backward_wgmma_config(64, 64, 227 * 1024).producer
 
 

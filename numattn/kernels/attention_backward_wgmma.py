@@ -13,24 +13,28 @@ Per tile a warpgroup computes
 and writes dS (query rows × key columns) to shared memory, from which the
 block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
-accumulator: the warpgroups stage the tile's dQ rows in shared memory (rows
-padded so that 8-byte stores meet no bank conflicts), and a thread per row (an
-equal share in every warp) adds its row with a bulk asynchronous reduction
-(``cp.reduce.async.bulk``; one per row measured faster than one per two or four
-rows); with two staging buffers (``dq_stages``) a tile's reductions read while
-the next tile is computed. Q and dO tiles, with their rows of lse₂ and
+accumulator with bulk asynchronous reductions (``cp.reduce.async.bulk``) of
+the tile staged in shared memory. A batch's accumulator holds each query tile's
+dQ in the order of the accumulator fragments (``dq_fragment_axes``): the
+warps stage their fragments as they hold them, with no bank conflicts, and one
+reduction adds the whole tile; the host puts the rows back in order when it
+converts dQ to the inputs' dtype. Packed sequences, whose tiles start at any
+row, stage the tile's rows (padded so that 8-byte stores meet no bank
+conflicts) and add them row by row. With two staging buffers (``dq_stages``) a
+tile's reductions read while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 At the end each warpgroup writes its dK and dV rows through its own rows of the V
 tile, which no other warpgroup reads, so that each global store is a 16-byte chunk.
 
 With a ``producer`` one more warpgroup, holding few registers (``setmaxnreg``), takes
-the copies and the dQ reductions (a row per thread of two warps; a tile's dQ is
-added once the copy into the stage it gave up is issued) off the computing
-warpgroups: mbarriers tell when a query stage is full and when the computing
-warpgroups are done with it, when a dQ tile is staged and when its buffer has been
-read, so that the computing warpgroups meet only around the dS tile (a named
-barrier) and never wait for a copy to be issued or a reduction to be accepted,
+the copies and the dQ reductions (a tile's dQ is added once the copy into the stage
+it gave up is issued) off the computing warpgroups: mbarriers tell when a query
+stage is full and when the computing warpgroups are done with it, when a dQ tile is
+staged and when its buffer has been read, so that the computing warpgroups meet
+only around the dS tile (a named barrier: before it is written, once every dQ has
+read the previous one, and after; with two dS buffers, ``ds_stages``, only after)
+and never wait for a copy to be issued or a reduction to be accepted,
 FlashAttention-3's division of the backward.
 
 Head dims must be multiples of 64, inputs 16-bit with contiguous, 16-byte aligned rows.
@@ -61,6 +65,7 @@ from .ptx import (
     fence_registers,
     forget_registers,
     grow_registers,
+    load_l2_f32x4,
     mbarrier_arrive,
     mbarrier_init,
     mbarrier_wait,
@@ -70,6 +75,7 @@ from .ptx import (
     st_shared_v2_f32,
     stmatrix_x4,
     stmatrix_x4_trans,
+    store_16,
     wgmma_commit,
     wgmma_descriptor,
     wgmma_fence,
@@ -89,27 +95,74 @@ BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8-byte stores free of bank conflicts
 
 
+DQ_ROWS_THREADS = 256  # per block of the kernel that puts dQ's rows in order
+
+
+def dq_fragment_axes(config, head_dim):
+    """The axes of a query tile's dQ as the accumulator of a batch (not of packed sequences) holds it: the
+    fragments in the order the computing threads hold them, sizes of (warpgroup, warp within the warpgroup,
+    n8 tile, half, lane // 4, lane % 4, element). Row ``16 warp + 8 half + lane // 4``, column
+    ``warpgroup · D / warpgroups + 8 tile + 2 (lane % 4) + element``."""
+    return config.warpgroups, 4, head_dim // config.warpgroups // 8, 2, 8, 4, 2
+
+
+@functools.lru_cache(maxsize=None)
+def dq_rows_kernel(config, dtype, head_dim):
+    """Numba kernel ``kernel(accumulator, dq)``: dQ ``[B, Hq, Sq, D]`` (16-bit storage, contiguous rows,
+    16-byte aligned) from the float32 ``accumulator`` ``[B, Hq, query tiles · 64 · D]`` of the backward of
+    ``config`` (tiles in the order of ``dq_fragment_axes``), converted to ``dtype`` and put in row order.
+    Launch ``DQ_ROWS_THREADS`` threads per block, one per 8 columns of a row of every tile (the 8 are
+    contiguous in the accumulator): ``B · Hq · tiles · 64 · D / 8`` in all."""
+    _, _, N8_TILES, _, _, _, _ = dq_fragment_axes(config, head_dim)
+    CHUNKS, TILE = head_dim // 8, BLOCK_M * head_dim  # 8-column chunks of a row; a tile's elements
+    pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
+
+    def kernel(accumulator, dq):
+        i = cuda.grid(1)
+        tiles = accumulator.shape[2] // TILE
+        chunk, row = i % CHUNKS, i // CHUNKS % BLOCK_M
+        tile, bh = i // (CHUNKS * BLOCK_M) % tiles, i // (CHUNKS * BLOCK_M * tiles)
+        b, h = bh // dq.shape[1], bh % dq.shape[1]
+        if b >= dq.shape[0] or BLOCK_M * tile + row >= dq.shape[2]:
+            return
+        warpgroup, n8 = chunk // N8_TILES, chunk % N8_TILES
+        warp, half, group = row // 16, row // 8 % 2, row % 8
+        first = TILE * tile + ((((4 * warpgroup + warp) * N8_TILES + n8) * 2 + half) * 32 + 4 * group) * 2
+        a = load_l2_f32x4(accumulator, (b, h, first))
+        c = load_l2_f32x4(accumulator, (b, h, first + 4))
+        store_16(dq, (b, h, BLOCK_M * tile + row, 8 * chunk), pack(a[0], a[1]), pack(a[2], a[3]), pack(c[0], c[1]),
+                 pack(c[2], c[3]))
+
+    return cuda.jit(kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
     cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
-    ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows)."""
+    ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows), but for a batch's float32
+    accumulator ``dq`` ``[B, Hq, query tiles · 64 · D]``, each tile in the order of ``dq_fragment_axes``."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     PRODUCER, STAGES = config.producer, config.stages  # stages of the query tiles
     CONSUMERS = 128 * GROUPS  # the computing threads
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
-    # the copying threads, and the warps that add the dQ tiles: with a producer its threads and first two warps
+    # the copying threads, and the warps that add the dQ tiles (with a producer its threads and warps): a batch's
+    # tile by one bulk reduction, packed sequences' by one per row, every reducing warp issuing an equal share of
+    # them (a warp issues its lanes' bulk operations one after another), two warps of a producer or every warp
+    if config.packed != sequences.varlen:
+        raise ValueError(f"{config} is for {'' if config.packed else 'no '}packed sequences, not {sequences}")
+    TILED_DQ = not config.packed
     COPIERS, FIRST_COPIER = (128, CONSUMERS) if PRODUCER else (NUM_THREADS, 0)
-    REDUCING_WARPS, FIRST_REDUCING_WARP = (2, 4 * GROUPS) if PRODUCER else (NUM_THREADS // 32, 0)
-    # each staged dQ row is added by one bulk reduction; every reducing warp issues an equal share of them (a
-    # warp issues its lanes' bulk operations one after another)
-    ROW_SHARE = BLOCK_M // REDUCING_WARPS
+    FIRST_REDUCING_WARP = 4 * GROUPS if PRODUCER else 0
+    REDUCING_WARPS = 1 if TILED_DQ else 2 if PRODUCER else NUM_THREADS // 32
+    ROW_SHARE = BLOCK_M // REDUCING_WARPS if not TILED_DQ else 1
     # mbarriers (with a producer): FULL + s (query stage s landed; the first use brings K and V too), EMPTY + s
     # (every computing thread is done with stage s), DQ_FULL + b (dQ buffer b staged), DQ_EMPTY + b (its rows read)
     FULL, EMPTY = 0, STAGES
     DQ_FULL, DQ_EMPTY = 2 * STAGES, 2 * STAGES + DQ_STAGES
     BARRIERS = 2 * STAGES + 2 * DQ_STAGES
     DS_BARRIER = 1  # named barrier of the computing threads around the dS tile
+    DS_STAGES = config.ds_stages  # with two, tile it's dS goes where tile it - 2's was, which every dQ has read
     STAGED_BARRIER = 2  # named barriers STAGED_BARRIER + w: warpgroup w's panel of dK or dV is staged (or read)
     D, DV, CAUSAL = head_dim, head_dim_v, causal
     KSTEPS, VSTEPS = D // 16, DV // 16  # k-steps of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ
@@ -128,10 +181,12 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     DO_ROW0 = Q_ROW0 + STAGES * Q_ROWS
     DO_ROWS = BLOCK_M * DV // 64
     DS_ROW0 = DO_ROW0 + STAGES * DO_ROWS  # dS: BLOCK_M query rows × BLOCK_N key columns
-    VIEW_ROWS = DS_ROW0 + BLOCK_M * BLOCK_N // 64
+    DS_ROWS = BLOCK_M * BLOCK_N // 64
+    VIEW_ROWS = DS_ROW0 + DS_STAGES * DS_ROWS
     ROWS_OFF = 32 * VIEW_ROWS  # float32 elements after the view: per stage, rows of lse2 and delta
     DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tiles
-    DQ_ROW = D + DQ_PAD
+    DQ_ROW = D if TILED_DQ else D + DQ_PAD
+    DQ_FRAGMENT_ROWS = BLOCK_M * D // 64  # a staged tile in fragment order: per warp and n8 tile two rows of 64
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
     pack = pack_bf16x2 if bf16 else pack_f16x2
@@ -157,6 +212,16 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         return (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
 
     @cuda.jit(device=True, forceinline=True)
+    def add_dq(dq, rows_f, offset, at, h, row0, row_end, reduced_row):
+        """Add the dQ tile staged from ``rows_f[offset]`` to query rows ``row0 ..`` of head ``h`` in ``dq`` (a
+        reducing thread's share: the whole tile, or row ``reduced_row`` if below ``row_end``) as one bulk group."""
+        if TILED_DQ:
+            bulk_reduce_add_f32(dq, (at, h, row0 * D), rows_f, offset, 4 * BLOCK_M * D)
+        elif row0 + reduced_row < row_end:
+            bulk_reduce_add_f32(dq, (at, h, row0 + reduced_row, 0), rows_f, offset + reduced_row * DQ_ROW, 4 * D)
+        bulk_commit()
+
+    @cuda.jit(device=True, forceinline=True)
     def produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv, m_first, m_tiles,
                 n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row):
         """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
@@ -180,12 +245,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 stage, parity = ring_next(stage, parity, STAGES)
             if it >= STAGES:  # add the dQ of tile it - STAGES, which gave its stage to the copy above
                 mbarrier_wait(bars, DQ_FULL + buffer, buffer_parity)
-                m0 = m_first + added_tile * BLOCK_M
                 if reducer:
-                    if m0 + reduced_row < seqlen_q:
-                        bulk_reduce_add_f32(dq, (at, h0 + added_head, q_row0 + m0 + reduced_row, 0), rows_f,
-                                            DQ_OFF + buffer * BLOCK_M * DQ_ROW + reduced_row * DQ_ROW, 4 * D)
-                    bulk_commit()
+                    add_dq(dq, rows_f, DQ_OFF + buffer * BLOCK_M * DQ_ROW, at, h0 + added_head,
+                           q_row0 + m_first + added_tile * BLOCK_M, q_row0 + seqlen_q, reduced_row)
                     bulk_wait_read(0)
                 mbarrier_arrive(bars, DQ_EMPTY + buffer)
                 added_head, added_tile = next_query_tile(added_head, added_tile, m_tiles)
@@ -295,6 +357,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             next_head, next_tile = next_query_tile(head, m_tile, m_tiles)
             next_stage, next_parity = ring_next(stage, parity, STAGES)
             dq_off = DQ_OFF + dq_buffer * BLOCK_M * DQ_ROW  # this tile's dQ buffer
+            ds_row0 = DS_ROW0 + (it % DS_STAGES) * DS_ROWS  # and dS buffer
             if PRODUCER:
                 mbarrier_wait(bars, FULL + stage, parity)  # tile it (and, the first time, K and V) has landed
                 fence_proxy_async()  # copies made visible to this thread become visible to wgmma
@@ -313,7 +376,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             # matrix descriptors (units of 16 bytes: 8 elements) of the tiles, each k-step one constant on
             k_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * K_ROW0, 0)
             v_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * V_ROW0, 0)
-            ds_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * DS_ROW0, 0)
+            ds_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * ds_row0, 0)
             k_mn_desc = wgmma_descriptor(smem, tile_offsets[0] + 64 * K_ROW0 + (dq_col0 // 64) * 64 * BLOCK_N,
                                          64 * BLOCK_N)  # K as dQ's MN-major B operand
             h = h0 + head
@@ -359,12 +422,12 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                          True, True)
             wgmma_commit()
 
-            if PRODUCER:
+            if PRODUCER and DS_STAGES == 1:
                 barrier_sync(DS_BARRIER, CONSUMERS)  # every warpgroup's dQ of tile it - 1 has read dS
             # dS into shared memory, query-major: k-step kk's fragments are the 8 × 8 blocks (keys key0 + 8(i % 2) ..,
             # queries 16kk + 8(i // 2) ..), stored transposed; lane 8i + j addresses query row j of block i
             for kk in range(MSTEPS):
-                row, col = sw128_cell(int64(DS_ROW0), int64(BLOCK_M), 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
+                row, col = sw128_cell(ds_row0, int64(BLOCK_M), 16 * kk + 8 * (lane // 16) + lane % 8, key0 + 8 * ((lane // 8) % 2))
                 stmatrix_x4_trans(view, row, col, ds_frag[kk, 0], ds_frag[kk, 1], ds_frag[kk, 2], ds_frag[kk, 3])
             fence_proxy_async()
             if PRODUCER:
@@ -389,21 +452,25 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 mbarrier_arrive(bars, EMPTY + stage)  # done with the query stage
                 if it >= DQ_STAGES:
                     mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last rows are read
-            dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
-            for half in range(2):
+            if TILED_DQ:  # each warp's fragments in a row of its own: 256 contiguous bytes per store
+                dq_stage = tile_view(rows_f, dq_off, DQ_FRAGMENT_ROWS, 64)
                 for n in range(DQ_TILES):
-                    st_shared_v2_f32(dq_stage, dq_row0 + g + 8 * half, dq_col0 + 8 * n + 2 * t,
-                                     dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
+                    for half in range(2):
+                        st_shared_v2_f32(dq_stage, (warp * DQ_TILES + n) * 2 + half, 2 * lane,
+                                         dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
+            else:
+                dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
+                for half in range(2):
+                    for n in range(DQ_TILES):
+                        st_shared_v2_f32(dq_stage, dq_row0 + g + 8 * half, dq_col0 + 8 * n + 2 * t,
+                                         dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
             fence_proxy_async()
             if PRODUCER:
                 mbarrier_arrive(bars, DQ_FULL + dq_buffer)
             else:
-                cuda.syncthreads()  # the tile's dQ rows are staged
+                cuda.syncthreads()  # the tile's dQ is staged
                 if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
-                    if m0 + reduced_row < seqlen_q:
-                        bulk_reduce_add_f32(dq, (at, h, q_row0 + m0 + reduced_row, 0), rows_f,
-                                            dq_off + reduced_row * DQ_ROW, 4 * D)
-                    bulk_commit()
+                    add_dq(dq, rows_f, dq_off, at, h, q_row0 + m0, q_row0 + seqlen_q, reduced_row)
             head, m_tile, stage, parity = next_head, next_tile, next_stage, next_parity
             dq_buffer, dq_parity = ring_next(dq_buffer, dq_parity, DQ_STAGES)
 

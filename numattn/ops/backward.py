@@ -27,7 +27,7 @@ from ..configs.backward import (
 from ..kernels import cpu
 from ..kernels.attention_backward import ROW_THREADS, THREADS, backward_kernels, rows_grid
 from ..kernels.attention_backward_mma import backward_mma_kernel
-from ..kernels.attention_backward_wgmma import backward_wgmma_kernel
+from ..kernels.attention_backward_wgmma import DQ_ROWS_THREADS, backward_wgmma_kernel, dq_rows_kernel
 from ..kernels.compile_ahead import KernelSpec, compile_ahead, enabled
 from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
@@ -38,12 +38,12 @@ from .score_mods import NO_OPTIONS
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
 
 
-def backward_config(dtype, head_dim, head_dim_v, device=0):
+def backward_config(dtype, head_dim, head_dim_v, device=0, packed=False):
     """The tensor-core backward's tile configuration for these operands (a ``BackwardWgmmaConfig`` or
-    ``BackwardMmaConfig``), or None for the CUDA-core path."""
+    ``BackwardMmaConfig``) over a batch or ``packed`` sequences, or None for the CUDA-core path."""
     limits = device_limits(device)
     if backward_wgmma_supported(dtype, head_dim, head_dim_v, limits["cc"]):
-        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"])
+        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"], packed)
         if config is not None:
             return config
     if not backward_mma_supported(dtype, head_dim, head_dim_v):
@@ -61,10 +61,13 @@ def _copyable_rows(x):
 
 def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS, sequences=DENSE):
     """The backward's kernel ``name``: ``"rows"`` (delta and the log2-domain LSE of each query row), ``"dq"``
-    and ``"dkdv"`` (CUDA cores), or ``"tiles"``, the tensor-core kernel of ``config``; with the score
-    modifications ``mods``, over the sequences of layout ``sequences``."""
+    and ``"dkdv"`` (CUDA cores), ``"tiles"``, the tensor-core kernel of ``config``, with the score
+    modifications ``mods``, over the sequences of layout ``sequences``, or ``"dq rows"``, which puts the
+    rows of the wgmma kernel's dQ in order."""
     if name == "tiles":
         return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal, mods, sequences)
+    if name == "dq rows":
+        return dq_rows_kernel(config, dtype, head_dim)
     rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal, mods, sequences)
     return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
 
@@ -80,20 +83,28 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
     what = (f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
             + (f" {sequences}" if sequences.varlen else ""))
     offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
+    fragment_ordered = _fragment_ordered_dq(config)
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
         "dkdv": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] * 2, 1),  # ..., dk, dv
-        "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] + [(grads, 4)] * 2, 2),  # ..., dq, dk, dv
+        "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 3 if fragment_ordered else 4)] + [(grads, 4)] * 2, 2),  # ..., dq, dk, dv
+        "dq rows": ([(f32, 3), (storage, 4)], 0),  # the accumulator in fragment order, dq
     }
     # the slowest to compile first: a worker compiling them ahead starts on the one the backward waits for longest
-    names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows")
+    names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows") + (("dq rows",) if fragment_ordered else ())
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
-              "tiles": f"backward {config} {what}"}
+              "tiles": f"backward {config} {what}", "dq rows": f"backward dq rows {config} {dtype} d={head_dim}"}
+    tails = {"rows": offsets[:1], "dq rows": ()}
     return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods, sequences),
-                             _argtypes(*arrays[name]) + ((_MOD_TYPES + offsets) if name != "rows" else offsets[:1]),
-                             labels[name])
+                             _argtypes(*arrays[name]) + tails.get(name, _MOD_TYPES + offsets), labels[name])
             for name in names}
+
+
+def _fragment_ordered_dq(config):
+    """Whether the tensor-core kernel of ``config`` adds dQ tile by tile in fragment order (the wgmma kernel
+    over a batch: ``dq_fragment_axes``) rather than row by row."""
+    return isinstance(config, BackwardWgmmaConfig) and not config.packed
 
 
 # the score modifications' arguments: alibi [B, Hq], sinks [Hq], left, right, cap_log2, cap_slope
@@ -167,8 +178,8 @@ def _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout, m
 def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS, alibi=None, sinks=None,
                        sequences=None):
     """``(dq, dk, dv)`` for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o, do`` of one dtype
-    (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: dq in float32, dk and dv in the
-    inputs' dtype on tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated
+    (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: the gradients in the inputs' dtype on
+    tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated
     score modifications (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors.
 
     With ``sequences`` ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (int32 offsets like the tensors, an int):
@@ -188,7 +199,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     dtype = str(q.dtype).removeprefix("torch.")
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     layout = DENSE if sequences is None else SequenceLayout(varlen=True)
-    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
+    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index, sequences is not None)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
     specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods, layout)
     unused = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -230,12 +241,20 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
                 (np.float32(scale),), stream, mods, offsets)
         return dq, dk, dv
     q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
-    dq, dq4 = packed_like(q, torch.float32, torch.zeros)  # the kernel adds each key tile's share
+    # the float32 accumulator of dQ, to which the kernel adds each key tile's share
+    if "dq rows" in specs:  # in fragment order, whole tiles (``dq_fragment_axes``)
+        dq4 = torch.zeros((batch, heads, rows * head_dim), dtype=torch.float32, device=q.device)
+    else:
+        accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
             mods, offsets)
+    if "dq rows" not in specs:
+        return accumulator.to(q.dtype), dk, dv
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(specs["dq rows"], -(-dq4.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (dq4, dq), (), stream)
     return dq, dk, dv
 
 

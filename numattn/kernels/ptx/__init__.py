@@ -64,6 +64,7 @@ from .copies import (  # noqa: F401
     st_global_b32_at,
     st_shared_b32,
     st_shared_v2_f32,
+    store_16,
 )
 from .mma import (  # noqa: F401
     ldmatrix_x4,

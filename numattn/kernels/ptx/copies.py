@@ -296,6 +296,34 @@ def _load_16(typingctx, src, index):
 _bind(load_16, _load_16)
 
 
+def store_16(dst, index, w0, w1, w2, w3):
+    """``store_16(dst, index, w0, w1, w2, w3)``: the four ``uint32`` words as the 16 bytes at ``dst[index]``
+    on, word ``i`` as bytes ``4i .. 4i + 3`` (``load_16``'s order). ``dst`` is a global array whose last
+    axis is contiguous, 16-byte aligned at ``index``. Emits ``st.global.v4.b32``."""
+    elements = np.array([w0, w1, w2, w3], dtype=np.uint32).view(dst.dtype)
+    for i, element in enumerate(elements):
+        dst[(*index[:-1], index[-1] + i)] = element
+
+
+@intrinsic
+def _store_16(typingctx, dst, index, w0, w1, w2, w3):
+    if not (isinstance(dst, types.Array) and isinstance(index, types.BaseTuple)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dst_type, index_type = sig.args[:2]
+        ptr = _global_address(context, builder, dst_type, args[0], index_type, args[1], contiguous_last=True)
+        words = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], sig.args[2:], strict=True)]
+        _asm(builder, "st.global.v4.b32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", ir.VoidType(),
+             [ptr, *words], side_effect=True)
+        return context.get_dummy_value()
+
+    return types.none(dst, index, w0, w1, w2, w3), codegen
+
+
+_bind(store_16, _store_16)
+
+
 def load_readonly_i32(src, index):
     """``load_readonly_i32(src, index) -> int32``: ``src[index]`` of a global int32 array (any strides) that
     the kernel never writes, such as a page table. Emits ``ld.global.nc.s32`` as an instruction without
