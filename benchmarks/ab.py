@@ -10,8 +10,10 @@ copy runs as it was). Each case runs once in each package
 per round the median of CUDA-event timings with the L2 cache flushed. A restructuring that should
 change nothing shows ratios within noise (about ±2%).
 
-Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not; a short grid whose keys
-split, 256 queries over 16384 keys, D128 bf16 and D64 fp16), decode (B64 Hq32 Hkv8
+Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not; B4 H16 L4096 D256 bf16
+causal; B4 H16 L8192 D128 bf16 causal with a window of 1024 or a softcap of 30; four packed causal
+sequences of 4096, H32 D128; a short grid whose keys split, 256 queries over 16384 keys, D128 bf16 and D64
+fp16), decode (B64 Hq32 Hkv8
 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (rank 512, rope 64: B768 H64
 L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward (B4 H32 L4096 D128 and D96
 bf16, causal; B8 H16 L2048 D64 bf16 causal; B4 H16 L8192 D128 causal with a window of 1024, ALiBi or a softcap of 30; four packed causal
@@ -74,6 +76,17 @@ def cases(torch, packages):
         for causal in (False, True):
             name = f"prefill B{batch} H{heads} L{seqlen} D{head_dim} {str(dtype)[6:]}{' causal' if causal else ''}"
             table[name] = per_package(packages, lambda pkg, q=q, k=k, v=v, causal=causal: pkg.attention(q, k, v, causal=causal))
+    q, k, v = (rnd(4, 16, 4096, 256, dtype=torch.bfloat16) for _ in range(3))
+    table["prefill B4 H16 L4096 D256 bf16 causal"] = per_package(
+        packages, lambda pkg, q=q, k=k, v=v: pkg.attention(q, k, v, causal=True))
+    q, k, v = (rnd(4, 16, 8192, 128, dtype=torch.bfloat16) for _ in range(3))
+    for label, options in (("window 1024", dict(window=(1024, 0))), ("softcap 30", dict(softcap=30.0))):
+        table[f"prefill B4 H16 L8192 D128 bf16 causal, {label}"] = per_package(
+            packages, lambda pkg, q=q, k=k, v=v, options=options: pkg.attention(q, k, v, causal=True, **options))
+    q, k, v = (rnd(4 * 4096, 32, 128, dtype=torch.bfloat16) for _ in range(3))
+    offsets = torch.arange(0, 4 * 4096 + 1, 4096, device="cuda", dtype=torch.int32)
+    table["prefill, packed 4 × 4096 H32 D128 bf16 causal"] = per_package(
+        packages, lambda pkg, q=q, k=k, v=v: pkg.attention_varlen(q, k, v, offsets, offsets, 4096, 4096, causal=True))
     for head_dim, dtype in ((128, torch.bfloat16), (64, torch.float16)):  # a short grid: its keys split, then merged
         q, k, v = rnd(1, 8, 256, head_dim, dtype=dtype), *(rnd(1, 8, 16384, head_dim, dtype=dtype) for _ in range(2))
         table[f"prefill, key splits B1 H8 Lq256 Lk16384 D{head_dim} {str(dtype)[6:]}"] = per_package(

@@ -109,7 +109,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     S_REGS, O_REGS = BLOCK_N // 2, DV // 2  # accumulator registers per thread
     # shared memory as 128-byte rows of a 64-column view: Q, then STAGES K tiles, then STAGES V tiles
     # the Q tile's first row in the view, a typed 0 rather than a literal (as are the rings' starting stage and
-    # parity): numba would type and lower the tile copier and sw128_cell once more for a literal argument
+    # parity, and the tiles' row counts): numba would type and lower the tile copier and sw128_cell once more
+    # for each literal value
     Q_VIEW_ROW = np.int64(0)
     K_ROW0 = BLOCK_M * D // 64
     K_ROWS = BLOCK_N * D // 64
@@ -152,7 +153,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         """This thread's copies of the K tile of keys ``n0 ..`` from ``k`` stored transposed (``k[at, h, d, n]``):
         row ``d`` of the tile holds head-dim row ``d``'s keys, 8 per copy; keys from ``nkeys`` on read 0."""
         if n0 + BLOCK_N <= nkeys:  # a whole tile: D rows of BLOCK_N keys, copied as Q's rows are
-            load_tile_async(view, tile_row0, D, k[:, :, :, n0:], at, h, 0, D, BLOCK_N)
+            load_tile_async(view, tile_row0, int64(D), k[:, :, :, n0:], at, h, 0, D, BLOCK_N)
         else:
             load_partial_kt_tile_async(view, tile_row0, k, at, h, n0, nkeys)
 
@@ -164,15 +165,15 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         if K_T:
             load_kt_tile_async(view, K_ROW0 + stage * K_ROWS, k, kv_at, h_kv, first + j * BLOCK_N, nkeys)
         else:
-            load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, BLOCK_N, k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
-        load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, BLOCK_N, v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
+            load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, int64(BLOCK_N), k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
+        load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, int64(BLOCK_N), v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
     def produce(view, bars, q, k, v, q_at, h, q_start, q_end, kv_at, h_kv, first, nkeys, n_blocks):
         """The producer warpgroup's work: the Q tile, then every K/V tile into its stage once the computing
         warpgroups are done with the stage's previous tile."""
-        load_tile_async(view, Q_VIEW_ROW, BLOCK_M, q, q_at, h, q_start, q_end, D)
+        load_tile_async(view, Q_VIEW_ROW, int64(BLOCK_M), q, q_at, h, q_start, q_end, D)
         cp_async_mbarrier_arrive(bars, Q_FULL)
         stage, parity = int64(0), int64(0)  # tile j's stage and the parity of its use, as the computing loop counts them
         for j in range(n_blocks):
@@ -223,14 +224,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         ``P V`` is complete), so that each global store is a whole 16-byte chunk of a row."""
         for dt in range(DTILES):
             for half in range(2):
-                row, col = sw128_cell(Q_VIEW_ROW, BLOCK_M, 16 * warp + g + 8 * half, 8 * dt)
+                row, col = sw128_cell(Q_VIEW_ROW, int64(BLOCK_M), 16 * warp + g + 8 * half, 8 * dt)
                 st_shared_b32(view, row, col + 2 * t, pack(acc[0, dt, 2 * half], acc[0, dt, 2 * half + 1]))
         barrier_sync(STAGED_BARRIER + group, 128)
         for i in range(cuda.threadIdx.x % 128, 64 * OUT_CHUNKS, 128):
             r = 64 * group + i // OUT_CHUNKS
             c = (i % OUT_CHUNKS) * 8
             if m0 + r < seqlen_q:
-                row, col = sw128_cell(Q_VIEW_ROW, BLOCK_M, r, c)
+                row, col = sw128_cell(Q_VIEW_ROW, int64(BLOCK_M), r, c)
                 if ALIGNED_OUT:
                     copy_16_to_global(o, (b, h, m0 + r, c), view, row, col)
                 else:
@@ -282,7 +283,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
         if n_blocks > 0:
             if not PRODUCER:
-                load_tile_async(view, Q_VIEW_ROW, BLOCK_M, q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+                load_tile_async(view, Q_VIEW_ROW, int64(BLOCK_M), q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
                 cp_async_mbarrier_arrive(bars, Q_FULL)
                 for j in range(STAGES - 1):  # the first tiles
                     if j < n_blocks:
