@@ -170,10 +170,12 @@ def training_and_mla_variants():
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), BACKWARD_WGMMA_SIGNATURE)
     yield ("backward-dq-rows-bfloat16-d128", dq_rows_kernel(config, "bfloat16", 128),
            (types.Array(types.float32, 3, "A"), _U16))
-    packed_config = choose_backward_wgmma_config(128, 128, limits["max_shared"], packed=True)
+    yield ("backward-dq-rows-bfloat16-d128-varlen",
+           dq_rows_kernel(config, "bfloat16", 128, SequenceLayout(varlen=True)),
+           (types.Array(types.float32, 3, "A"), _U16, SEQUENCE_SIGNATURE[0]))
     yield ("backward-wgmma-bfloat16-causal1-d128-varlen",
-           backward_wgmma_kernel(packed_config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
-           backward + SEQUENCE_SIGNATURE[:2])
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
+           BACKWARD_WGMMA_SIGNATURE + SEQUENCE_SIGNATURE[:2])
     mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
            types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)
     for heads in (16, 128):

@@ -123,15 +123,13 @@ def test_warpgroup_gradients(producer_config, monkeypatch):
 
 
 def test_backward_producer_where_it_fits():
-    """At head dim 128 the wgmma backward's default has a producer warpgroup and three query stages (with
-    every score modification and packed sequences alike) and two dS buffers (one beside packed sequences'
-    padded dQ rows); other head dims have one warpgroup and no producer."""
+    """At head dim 128 the wgmma backward's default has a producer warpgroup, three query stages and two dS
+    buffers (with every score modification and packed sequences alike); other head dims have one warpgroup
+    and no producer."""
     from numattn.configs.backward import choose_backward_wgmma_config
 
     assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3,
                                                                                      ds_stages=2)
-    assert choose_backward_wgmma_config(128, 128, 227 * 1024, packed=True) == BackwardWgmmaConfig(
-        2, 1, producer=True, stages=3, packed=True)
     assert not choose_backward_wgmma_config(64, 64, 227 * 1024).producer
 
 

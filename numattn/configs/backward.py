@@ -4,7 +4,7 @@
 import math
 from dataclasses import dataclass
 
-from ..kernels.attention_backward_wgmma import BLOCK_M, DQ_PAD
+from ..kernels.attention_backward_wgmma import BLOCK_M
 from ..kernels.ptx import SW128_ALIGN
 from ..kernels.tiles import PAD
 from . import registers
@@ -85,15 +85,13 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
     per thread, and the computing ones take the rest of the register file (``consumer_registers``).
     ``stages``: shared-memory stages of the query tiles (Q, dO and their rows); three only with a producer.
     ``ds_stages``: buffers of the dS tile; with two (only beside a producer) the computing warpgroups meet
-    once per tile instead of twice. ``packed``: for packed sequences, whose dQ is staged in padded rows (a
-    batch's in fragment order, unpadded)."""
+    once per tile instead of twice."""
 
     warpgroups: int = 2
     dq_stages: int = 2
     producer: bool = False
     stages: int = 2
     ds_stages: int = 1
-    packed: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2) or (self.producer and self.warpgroups != 2)
@@ -123,7 +121,7 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
         tiles (float32), and slack to align the swizzled tiles."""
         n, stages = self.block_n, self.stages
         halves = n * (head_dim + head_dim_v) + stages * BLOCK_M * (head_dim + head_dim_v) + self.ds_stages * BLOCK_M * n
-        dq_tiles = self.dq_stages * BLOCK_M * (head_dim + (DQ_PAD if self.packed else 0))
+        dq_tiles = self.dq_stages * BLOCK_M * head_dim
         return 2 * halves + 4 * (stages * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
 
@@ -139,19 +137,17 @@ def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
     return cc == (9, 0) and dtype in ("float16", "bfloat16") and all(d % 64 == 0 and d <= 256 for d in (head_dim, head_dim_v))
 
 
-def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes, packed=False):
+def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
     """Two warpgroups where they fit (registers: head dims up to 128) beside a producer, with three query
-    stages, one dQ buffer and two dS buffers where they fit (not beside packed sequences' padded dQ rows),
-    else one; else two or one warpgroups without a producer, each with two dQ buffers where they fit, else
+    stages, one dQ buffer and two dS buffers where they fit, else one; else two or one warpgroups without a producer, each with two dQ buffers where they fit, else
     one; None if nothing fits. Every score modification and packed sequences take the producer (measured
     faster: the softcap's and ALiBi's backward by 16-17% on an H200, a training step on four packed
     sequences of 4096 by 17%; three stages and one dQ buffer gained up to 4% over two of each on an H100,
     nothing with a window of 1024 or packed sequences)."""
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
-    candidates = [BackwardWgmmaConfig(g, dq, packed=packed) for g in groups for dq in (2, 1)]
+    candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     if 2 in groups:
-        candidates[:0] = [BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=ds, packed=packed)
-                          for ds in (2, 1)]
+        candidates[:0] = [BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=ds) for ds in (2, 1)]
     for config in candidates:
         if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config

@@ -13,15 +13,14 @@ Per tile a warpgroup computes
 and writes dS (query rows × key columns) to shared memory, from which the
 block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
-accumulator with bulk asynchronous reductions (``cp.reduce.async.bulk``) of
-the tile staged in shared memory. A batch's accumulator holds each query tile's
-dQ in the order of the accumulator fragments (``dq_fragment_axes``): the
-warps stage their fragments as they hold them, with no bank conflicts, and one
-reduction adds the whole tile; the host puts the rows back in order when it
-converts dQ to the inputs' dtype. Packed sequences, whose tiles start at any
-row, stage the tile's rows (padded so that 8-byte stores meet no bank
-conflicts) and add them row by row. With two staging buffers (``dq_stages``) a
-tile's reductions read while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
+accumulator with a bulk asynchronous reduction (``cp.reduce.async.bulk``) of
+the tile staged in shared memory. The accumulator holds each query tile's dQ
+in the order of the accumulator fragments (``dq_fragment_axes``; packed
+sequences' tiles from a multiple of 64 rows, as their lse₂ and delta rows):
+the warps stage their fragments as they hold them, with no bank conflicts, and
+one reduction adds the whole tile; ``dq_rows_kernel`` then puts the rows in
+order and converts dQ to the inputs' dtype. With two staging buffers
+(``dq_stages``) a tile's reduction reads while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
 delta, stream through ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 At the end each warpgroup writes its dK and dV rows through its own rows of the V
@@ -86,52 +85,73 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
-from .sequences import DENSE, backward_kernel, key_block_locator
+from .sequences import DENSE, backward_kernel, key_block_locator, padded_rows
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
-DQ_PAD = 8  # float32 elements after each staged dQ row: 16-byte aligned rows, 8-byte stores free of bank conflicts
 
 
 DQ_ROWS_THREADS = 256  # per block of the kernel that puts dQ's rows in order
 
 
 def dq_fragment_axes(config, head_dim):
-    """The axes of a query tile's dQ as the accumulator of a batch (not of packed sequences) holds it: the
-    fragments in the order the computing threads hold them, sizes of (warpgroup, warp within the warpgroup,
+    """The axes of a query tile's dQ as the backward's float32 accumulator holds it: the fragments in the order the computing threads hold them, sizes of (warpgroup, warp within the warpgroup,
     n8 tile, half, lane // 4, lane % 4, element). Row ``16 warp + 8 half + lane // 4``, column
     ``warpgroup · D / warpgroups + 8 tile + 2 (lane % 4) + element``."""
     return config.warpgroups, 4, head_dim // config.warpgroups // 8, 2, 8, 4, 2
 
 
 @functools.lru_cache(maxsize=None)
-def dq_rows_kernel(config, dtype, head_dim):
-    """Numba kernel ``kernel(accumulator, dq)``: dQ ``[B, Hq, Sq, D]`` (16-bit storage, contiguous rows,
-    16-byte aligned) from the float32 ``accumulator`` ``[B, Hq, query tiles · 64 · D]`` of the backward of
-    ``config`` (tiles in the order of ``dq_fragment_axes``), converted to ``dtype`` and put in row order.
-    Launch ``DQ_ROWS_THREADS`` threads per block, one per 8 columns of a row of every tile (the 8 are
-    contiguous in the accumulator): ``B · Hq · tiles · 64 · D / 8`` in all."""
+def dq_rows_kernel(config, dtype, head_dim, sequences=DENSE):
+    """Numba kernel ``kernel(accumulator, dq)`` (packed ``sequences``: ``kernel(accumulator, dq, cu_seqlens_q)``):
+    dQ ``[B, Hq, Sq, D]`` (packed: ``[1, Hq, total_q, D]``; 16-bit storage, 16-byte aligned rows with a
+    contiguous last axis) from the float32 ``accumulator`` of the backward of ``config`` (``[B or 1, Hq, rows ·
+    D]``, tiles in the order of ``dq_fragment_axes``; a packed sequence's rows from ``padded_rows``),
+    converted to ``dtype`` and put in row order. Launch ``DQ_ROWS_THREADS`` threads per block, one per 8
+    columns of a row of ``dq`` (contiguous in the accumulator): ``dq.size / 8`` in all."""
     _, _, N8_TILES, _, _, _, _ = dq_fragment_axes(config, head_dim)
     CHUNKS, TILE = head_dim // 8, BLOCK_M * head_dim  # 8-column chunks of a row; a tile's elements
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
 
-    def kernel(accumulator, dq):
-        i = cuda.grid(1)
-        tiles = accumulator.shape[2] // TILE
-        chunk, row = i % CHUNKS, i // CHUNKS % BLOCK_M
-        tile, bh = i // (CHUNKS * BLOCK_M) % tiles, i // (CHUNKS * BLOCK_M * tiles)
-        b, h = bh // dq.shape[1], bh % dq.shape[1]
-        if b >= dq.shape[0] or BLOCK_M * tile + row >= dq.shape[2]:
-            return
+    @cuda.jit(device=True, forceinline=True)
+    def convert(accumulator, dq, at, h, row, padded_row, chunk):
+        """Chunk ``chunk`` of ``dq[at, h, row]`` from the accumulator's row ``padded_row``."""
+        tile, r = padded_row // BLOCK_M, padded_row % BLOCK_M
         warpgroup, n8 = chunk // N8_TILES, chunk % N8_TILES
-        warp, half, group = row // 16, row // 8 % 2, row % 8
+        warp, half, group = r // 16, r // 8 % 2, r % 8
         first = TILE * tile + ((((4 * warpgroup + warp) * N8_TILES + n8) * 2 + half) * 32 + 4 * group) * 2
-        a = load_l2_f32x4(accumulator, (b, h, first))
-        c = load_l2_f32x4(accumulator, (b, h, first + 4))
-        store_16(dq, (b, h, BLOCK_M * tile + row, 8 * chunk), pack(a[0], a[1]), pack(a[2], a[3]), pack(c[0], c[1]),
-                 pack(c[2], c[3]))
+        a = load_l2_f32x4(accumulator, (at, h, first))
+        c = load_l2_f32x4(accumulator, (at, h, first + 4))
+        store_16(dq, (at, h, row, 8 * chunk), pack(a[0], a[1]), pack(a[2], a[3]), pack(c[0], c[1]), pack(c[2], c[3]))
+
+    if sequences.varlen:
+        def kernel(accumulator, dq, cu_seqlens_q):
+            i = cuda.grid(1)
+            heads, total = dq.shape[1], dq.shape[2]
+            chunk, h, row = i % CHUNKS, i // CHUNKS % heads, i // (CHUNKS * heads)  # the order of q's packed rows
+            if row >= total:
+                return
+            first, last = 0, cu_seqlens_q.shape[0] - 1  # the sequence holding the row: cu[first] <= row < cu[last]
+            if not cu_seqlens_q[first] <= row < cu_seqlens_q[last]:  # a row of no sequence: no gradient
+                store_16(dq, (0, h, row, 8 * chunk), uint32(0), uint32(0), uint32(0), uint32(0))
+                return
+            while last - first > 1:
+                middle = (first + last) // 2
+                if cu_seqlens_q[middle] <= row:
+                    first = middle
+                else:
+                    last = middle
+            row0 = cu_seqlens_q[first]
+            convert(accumulator, dq, 0, h, row, padded_rows(row0, first) + row - row0, chunk)
+    else:
+        def kernel(accumulator, dq):
+            i = cuda.grid(1)
+            chunk, row = i % CHUNKS, i // CHUNKS % dq.shape[2]
+            bh = i // (CHUNKS * dq.shape[2])
+            if bh < dq.shape[0] * dq.shape[1]:
+                convert(accumulator, dq, bh // dq.shape[1], bh % dq.shape[1], row, row, chunk)
 
     return cuda.jit(kernel)
 
@@ -140,8 +160,9 @@ def dq_rows_kernel(config, dtype, head_dim):
 def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequences=DENSE):
     """Numba kernel ``kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right,
     cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
-    ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows), but for a batch's float32
-    accumulator ``dq`` ``[B, Hq, query tiles · 64 · D]``, each tile in the order of ``dq_fragment_axes``."""
+    ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows), but for the float32
+    accumulator ``dq``, ``[B or 1, Hq, rows · D]`` with the rows of ``lse2``, each tile of 64 rows in the order
+    of ``dq_fragment_axes``."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     PRODUCER, STAGES = config.producer, config.stages  # stages of the query tiles
     CONSUMERS = 128 * GROUPS  # the computing threads
@@ -149,13 +170,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     # the copying threads, and the warps that add the dQ tiles (with a producer its threads and warps): a batch's
     # tile by one bulk reduction, packed sequences' by one per row, every reducing warp issuing an equal share of
     # them (a warp issues its lanes' bulk operations one after another), two warps of a producer or every warp
-    if config.packed != sequences.varlen:
-        raise ValueError(f"{config} is for {'' if config.packed else 'no '}packed sequences, not {sequences}")
-    TILED_DQ = not config.packed
     COPIERS, FIRST_COPIER = (128, CONSUMERS) if PRODUCER else (NUM_THREADS, 0)
-    FIRST_REDUCING_WARP = 4 * GROUPS if PRODUCER else 0
-    REDUCING_WARPS = 1 if TILED_DQ else 2 if PRODUCER else NUM_THREADS // 32
-    ROW_SHARE = BLOCK_M // REDUCING_WARPS if not TILED_DQ else 1
+    REDUCER = CONSUMERS if PRODUCER else 0  # the thread that adds the dQ tiles
     # mbarriers (with a producer): FULL + s (query stage s landed; the first use brings K and V too), EMPTY + s
     # (every computing thread is done with stage s), DQ_FULL + b (dQ buffer b staged), DQ_EMPTY + b (its rows read)
     FULL, EMPTY = 0, STAGES
@@ -185,7 +201,6 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     VIEW_ROWS = DS_ROW0 + DS_STAGES * DS_ROWS
     ROWS_OFF = 32 * VIEW_ROWS  # float32 elements after the view: per stage, rows of lse2 and delta
     DQ_OFF = STAGES * 2 * BLOCK_M  # then the staged dQ tiles
-    DQ_ROW = D if TILED_DQ else D + DQ_PAD
     DQ_FRAGMENT_ROWS = BLOCK_M * D // 64  # a staged tile in fragment order: per warp and n8 tile two rows of 64
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
@@ -212,22 +227,19 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         return (head, m_tile + 1) if m_tile + 1 < m_tiles else (head + 1, 0)
 
     @cuda.jit(device=True, forceinline=True)
-    def add_dq(dq, rows_f, offset, at, h, row0, row_end, reduced_row):
-        """Add the dQ tile staged from ``rows_f[offset]`` to query rows ``row0 ..`` of head ``h`` in ``dq`` (a
-        reducing thread's share: the whole tile, or row ``reduced_row`` if below ``row_end``) as one bulk group."""
-        if TILED_DQ:
-            bulk_reduce_add_f32(dq, (at, h, row0 * D), rows_f, offset, 4 * BLOCK_M * D)
-        elif row0 + reduced_row < row_end:
-            bulk_reduce_add_f32(dq, (at, h, row0 + reduced_row, 0), rows_f, offset + reduced_row * DQ_ROW, 4 * D)
+    def add_dq(dq, rows_f, offset, at, h, row0):
+        """Add the dQ tile staged from ``rows_f[offset]`` to the accumulator's tile from row ``row0`` of head
+        ``h``, as one bulk group."""
+        bulk_reduce_add_f32(dq, (at, h, row0 * D), rows_f, offset, 4 * BLOCK_M * D)
         bulk_commit()
 
     @cuda.jit(device=True, forceinline=True)
     def produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv, m_first, m_tiles,
-                n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row):
+                n_iters, q_row0, seqlen_q, rows0):
         """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
         the computing warpgroups are done with the stage's previous tile; after that copy is issued, the dQ
-        rows the previous tile of the stage staged are added to the accumulator (row ``reduced_row`` by each
-        ``reducer``) and their buffer given back, so that no reduction holds up a copy."""
+        tile the previous tile of the stage staged is added to the accumulator and its buffer given back, so
+        that no reduction holds up a copy."""
         # typed, not literal, rows and counters: numba would type and lower the callees once more for literals
         copy_tile(view, int64(K_ROW0), int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
         copy_tile(view, int64(V_ROW0), int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
@@ -245,16 +257,16 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 stage, parity = ring_next(stage, parity, STAGES)
             if it >= STAGES:  # add the dQ of tile it - STAGES, which gave its stage to the copy above
                 mbarrier_wait(bars, DQ_FULL + buffer, buffer_parity)
-                if reducer:
-                    add_dq(dq, rows_f, DQ_OFF + buffer * BLOCK_M * DQ_ROW, at, h0 + added_head,
-                           q_row0 + m_first + added_tile * BLOCK_M, q_row0 + seqlen_q, reduced_row)
+                if cuda.threadIdx.x == REDUCER:
+                    add_dq(dq, rows_f, DQ_OFF + buffer * BLOCK_M * D, at, h0 + added_head,
+                           rows0 + m_first + added_tile * BLOCK_M)
                     bulk_wait_read(0)
                 mbarrier_arrive(bars, DQ_EMPTY + buffer)
                 added_head, added_tile = next_query_tile(added_head, added_tile, m_tiles)
                 buffer, buffer_parity = ring_next(buffer, buffer_parity, DQ_STAGES)
         cp_async_commit()
         cp_async_wait_group(0)  # the copies land before their threads leave
-        if reducer:
+        if cuda.threadIdx.x == REDUCER:
             bulk_wait(0)  # the reductions are done before the block's shared memory goes
 
     @cuda.jit(device=True, forceinline=True)
@@ -304,10 +316,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         g, t = lane // 4, lane % 4
         wg = warp // 4
         key0 = 16 * warp  # the warp's first key within the block (warpgroup wg: keys 64wg ..)
-        dq_row0 = 16 * (warp % 4)  # the warp's dQ rows within a query tile
         dq_col0 = DQ_N * wg  # the warpgroup's dQ columns
-        reducer = FIRST_REDUCING_WARP <= warp < FIRST_REDUCING_WARP + REDUCING_WARPS and lane < ROW_SHARE
-        reduced_row = ROW_SHARE * (warp - FIRST_REDUCING_WARP) + lane  # the dQ row a reducer adds
+        reducer = cuda.threadIdx.x == REDUCER
 
         if PRODUCER:
             if cuda.threadIdx.x == 0:
@@ -322,7 +332,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 shrink_registers(PRODUCER_REGISTERS)
                 if n_iters > 0:
                     produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv,
-                            m_first, m_tiles, n_iters, q_row0, seqlen_q, rows0, reducer, reduced_row)
+                            m_first, m_tiles, n_iters, q_row0, seqlen_q, rows0)
                 return
             grow_registers(CONSUMER_REGISTERS)
         else:
@@ -356,14 +366,14 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         for it in range(n_iters):
             next_head, next_tile = next_query_tile(head, m_tile, m_tiles)
             next_stage, next_parity = ring_next(stage, parity, STAGES)
-            dq_off = DQ_OFF + dq_buffer * BLOCK_M * DQ_ROW  # this tile's dQ buffer
+            dq_off = DQ_OFF + dq_buffer * BLOCK_M * D  # this tile's dQ buffer
             ds_row0 = DS_ROW0 + (it % DS_STAGES) * DS_ROWS  # and dS buffer
             if PRODUCER:
                 mbarrier_wait(bars, FULL + stage, parity)  # tile it (and, the first time, K and V) has landed
                 fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             else:
                 if reducer:
-                    bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read this thread's row
+                    bulk_wait_read(DQ_PENDING)  # the reduction that last used the buffer has read it
                 cp_async_wait_group(0)  # tile it has landed
                 fence_proxy_async()  # this thread's copies, visible to wgmma
                 cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
@@ -452,25 +462,19 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 mbarrier_arrive(bars, EMPTY + stage)  # done with the query stage
                 if it >= DQ_STAGES:
                     mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last rows are read
-            if TILED_DQ:  # each warp's fragments in a row of its own: 256 contiguous bytes per store
-                dq_stage = tile_view(rows_f, dq_off, DQ_FRAGMENT_ROWS, 64)
-                for n in range(DQ_TILES):
-                    for half in range(2):
-                        st_shared_v2_f32(dq_stage, (warp * DQ_TILES + n) * 2 + half, 2 * lane,
-                                         dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
-            else:
-                dq_stage = tile_view(rows_f, dq_off, BLOCK_M, DQ_ROW)
+            # each warp's fragments in rows of their own (dq_fragment_axes): 256 contiguous bytes per store
+            dq_stage = tile_view(rows_f, dq_off, DQ_FRAGMENT_ROWS, 64)
+            for n in range(DQ_TILES):
                 for half in range(2):
-                    for n in range(DQ_TILES):
-                        st_shared_v2_f32(dq_stage, dq_row0 + g + 8 * half, dq_col0 + 8 * n + 2 * t,
-                                         dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
+                    st_shared_v2_f32(dq_stage, (warp * DQ_TILES + n) * 2 + half, 2 * lane,
+                                     dq_acc[n, 2 * half] * scale, dq_acc[n, 2 * half + 1] * scale)
             fence_proxy_async()
             if PRODUCER:
                 mbarrier_arrive(bars, DQ_FULL + dq_buffer)
             else:
                 cuda.syncthreads()  # the tile's dQ is staged
-                if reducer:  # a group per tile even past the last row, so that the wait above counts tiles
-                    add_dq(dq, rows_f, dq_off, at, h, q_row0 + m0, q_row0 + seqlen_q, reduced_row)
+                if reducer:
+                    add_dq(dq, rows_f, dq_off, at, h, rows0 + m0)
             head, m_tile, stage, parity = next_head, next_tile, next_stage, next_parity
             dq_buffer, dq_parity = ring_next(dq_buffer, dq_parity, DQ_STAGES)
 

@@ -38,12 +38,12 @@ from .score_mods import NO_OPTIONS
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
 
 
-def backward_config(dtype, head_dim, head_dim_v, device=0, packed=False):
+def backward_config(dtype, head_dim, head_dim_v, device=0):
     """The tensor-core backward's tile configuration for these operands (a ``BackwardWgmmaConfig`` or
-    ``BackwardMmaConfig``) over a batch or ``packed`` sequences, or None for the CUDA-core path."""
+    ``BackwardMmaConfig``), or None for the CUDA-core path."""
     limits = device_limits(device)
     if backward_wgmma_supported(dtype, head_dim, head_dim_v, limits["cc"]):
-        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"], packed)
+        config = choose_backward_wgmma_config(head_dim, head_dim_v, limits["max_shared"])
         if config is not None:
             return config
     if not backward_mma_supported(dtype, head_dim, head_dim_v):
@@ -62,12 +62,12 @@ def _copyable_rows(x):
 def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS, sequences=DENSE):
     """The backward's kernel ``name``: ``"rows"`` (delta and the log2-domain LSE of each query row), ``"dq"``
     and ``"dkdv"`` (CUDA cores), ``"tiles"``, the tensor-core kernel of ``config``, with the score
-    modifications ``mods``, over the sequences of layout ``sequences``, or ``"dq rows"``, which puts the
-    rows of the wgmma kernel's dQ in order."""
+    modifications ``mods``, or ``"dq rows"``, which puts the rows of the wgmma kernel's dQ in order; over
+    the sequences of layout ``sequences``."""
     if name == "tiles":
         return _KERNELS[type(config)](config, dtype, head_dim, head_dim_v, causal, mods, sequences)
     if name == "dq rows":
-        return dq_rows_kernel(config, dtype, head_dim)
+        return dq_rows_kernel(config, dtype, head_dim, sequences)
     rows, dq, dkdv = backward_kernels(dtype, head_dim, head_dim_v, causal, mods, sequences)
     return {"rows": rows, "dq": dq, "dkdv": dkdv}[name]
 
@@ -83,28 +83,22 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
     what = (f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
             + (f" {sequences}" if sequences.varlen else ""))
     offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
-    fragment_ordered = _fragment_ordered_dq(config)
+    fragment_ordered = isinstance(config, BackwardWgmmaConfig)  # dQ added in tiles: dq_fragment_axes
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
         "dkdv": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] * 2, 1),  # ..., dk, dv
         "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 3 if fragment_ordered else 4)] + [(grads, 4)] * 2, 2),  # ..., dq, dk, dv
-        "dq rows": ([(f32, 3), (storage, 4)], 0),  # the accumulator in fragment order, dq
+        "dq rows": ([(f32, 3), (storage, 4)], 0),  # the accumulator in fragment order, dq (, cu_seqlens_q)
     }
     # the slowest to compile first: a worker compiling them ahead starts on the one the backward waits for longest
     names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows") + (("dq rows",) if fragment_ordered else ())
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
-              "tiles": f"backward {config} {what}", "dq rows": f"backward dq rows {config} {dtype} d={head_dim}"}
-    tails = {"rows": offsets[:1], "dq rows": ()}
+              "tiles": f"backward {config} {what}", "dq rows": f"backward dq rows {config} {what}"}
+    tails = {"rows": offsets[:1], "dq rows": offsets[:1]}
     return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods, sequences),
                              _argtypes(*arrays[name]) + tails.get(name, _MOD_TYPES + offsets), labels[name])
             for name in names}
-
-
-def _fragment_ordered_dq(config):
-    """Whether the tensor-core kernel of ``config`` adds dQ tile by tile in fragment order (the wgmma kernel
-    over a batch: ``dq_fragment_axes``) rather than row by row."""
-    return isinstance(config, BackwardWgmmaConfig) and not config.packed
 
 
 # the score modifications' arguments: alibi [B, Hq], sinks [Hq], left, right, cap_log2, cap_slope
@@ -199,7 +193,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     dtype = str(q.dtype).removeprefix("torch.")
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     layout = DENSE if sequences is None else SequenceLayout(varlen=True)
-    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index, sequences is not None)
+    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
     stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
     specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods, layout)
     unused = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -242,8 +236,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         return dq, dk, dv
     q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
     # the float32 accumulator of dQ, to which the kernel adds each key tile's share
-    if "dq rows" in specs:  # in fragment order, whole tiles (``dq_fragment_axes``)
-        dq4 = torch.zeros((batch, heads, rows * head_dim), dtype=torch.float32, device=q.device)
+    if "dq rows" in specs:  # whole tiles in fragment order (``dq_fragment_axes``), with the rows of lse2
+        dq4 = torch.zeros((*rows_shape[:2], rows_shape[2] * head_dim), dtype=torch.float32, device=q.device)
     else:
         accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
@@ -253,8 +247,9 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
             mods, offsets)
     if "dq rows" not in specs:
         return accumulator.to(q.dtype), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(specs["dq rows"], -(-dq4.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (dq4, dq), (), stream)
+    dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
+    _launch(specs["dq rows"], -(-dq.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (dq4, dq_rows), (), stream,
+            offsets=offsets[:1])
     return dq, dk, dv
 
 
