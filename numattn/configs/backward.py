@@ -120,7 +120,8 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
         """K, V, the stages of Q and dO, the dS tiles (16-bit), the stages' lse₂ and delta rows and the dQ
         tiles (float32), and slack to align the swizzled tiles."""
         n, stages = self.block_n, self.stages
-        halves = n * (head_dim + head_dim_v) + stages * BLOCK_M * (head_dim + head_dim_v) + self.ds_stages * BLOCK_M * n
+        halves = (n * (head_dim + head_dim_v) + stages * BLOCK_M * (head_dim + head_dim_v)
+                  + self.ds_stages * BLOCK_M * n)
         dq_tiles = self.dq_stages * BLOCK_M * head_dim
         return 2 * halves + 4 * (stages * 2 * BLOCK_M + dq_tiles) + SW128_ALIGN
 
@@ -139,11 +140,12 @@ def backward_wgmma_supported(dtype, head_dim, head_dim_v, cc):
 
 def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
     """Two warpgroups where they fit (registers: head dims up to 128) beside a producer, with three query
-    stages, one dQ buffer and two dS buffers where they fit, else one; else two or one warpgroups without a producer, each with two dQ buffers where they fit, else
-    one; None if nothing fits. Every score modification and packed sequences take the producer (measured
-    faster: the softcap's and ALiBi's backward by 16-17% on an H200, a training step on four packed
-    sequences of 4096 by 17%; three stages and one dQ buffer gained up to 4% over two of each on an H100,
-    nothing with a window of 1024 or packed sequences)."""
+    stages, one dQ buffer and two dS buffers where they fit, else one; else two or one warpgroups without a
+    producer, each with two dQ buffers where they fit, else one; None if nothing fits. Every score
+    modification and packed sequences take the producer (measured faster: the softcap's and ALiBi's
+    backward by 16-17% on an H200, a training step on four packed sequences of 4096 by 17%; three stages
+    and one dQ buffer gained up to 4% over two of each on an H100, nothing with a window of 1024 or packed
+    sequences; two dS buffers up to 2% on an H200)."""
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
     candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     if 2 in groups:

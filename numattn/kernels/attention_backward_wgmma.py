@@ -15,13 +15,13 @@ block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
 accumulator with a bulk asynchronous reduction (``cp.reduce.async.bulk``) of
 the tile staged in shared memory. The accumulator holds each query tile's dQ
-in the order of the accumulator fragments (``dq_fragment_axes``; packed
-sequences' tiles from a multiple of 64 rows, as their lse₂ and delta rows):
-the warps stage their fragments as they hold them, with no bank conflicts, and
-one reduction adds the whole tile; ``dq_rows_kernel`` then puts the rows in
-order and converts dQ to the inputs' dtype. With two staging buffers
-(``dq_stages``) a tile's reduction reads while the next tile is computed. Q and dO tiles, with their rows of lse₂ and
-delta, stream through ``cp.async`` stages; K and V are copied once. All
+in the order of the accumulator fragments (``dq_fragment_axes``; a packed
+sequence's tiles from the row where its lse₂ and delta rows start): the warps
+stage their fragments as they hold them, with no bank conflicts, and one
+reduction adds the whole tile; ``dq_rows_kernel`` then puts the rows in order
+and converts dQ to the inputs' dtype. With two staging buffers (``dq_stages``)
+a tile's reduction reads while the next tile is computed. Q and dO tiles, with
+their rows of lse₂ and delta, stream through ``cp.async`` stages; K and V are copied once. All
 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 At the end each warpgroup writes its dK and dV rows through its own rows of the V
 tile, which no other warpgroup reads, so that each global store is a 16-byte chunk.
@@ -91,14 +91,13 @@ from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 _ZERO = np.float32(0.0)
 
 BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
-
-
 DQ_ROWS_THREADS = 256  # per block of the kernel that puts dQ's rows in order
 
 
 def dq_fragment_axes(config, head_dim):
-    """The axes of a query tile's dQ as the backward's float32 accumulator holds it: the fragments in the order the computing threads hold them, sizes of (warpgroup, warp within the warpgroup,
-    n8 tile, half, lane // 4, lane % 4, element). Row ``16 warp + 8 half + lane // 4``, column
+    """The axes of a query tile's dQ as the backward's float32 accumulator holds it, the fragments in the
+    order the computing threads hold them: sizes of (warpgroup, warp within the warpgroup, n8 tile, half,
+    lane // 4, lane % 4, element). Row ``16 warp + 8 half + lane // 4``, column
     ``warpgroup · D / warpgroups + 8 tile + 2 (lane % 4) + element``."""
     return config.warpgroups, 4, head_dim // config.warpgroups // 8, 2, 8, 4, 2
 
@@ -133,10 +132,8 @@ def dq_rows_kernel(config, dtype, head_dim, sequences=DENSE):
             chunk, h, row = i % CHUNKS, i // CHUNKS % heads, i // (CHUNKS * heads)  # the order of q's packed rows
             if row >= total:
                 return
-            first, last = 0, cu_seqlens_q.shape[0] - 1  # the sequence holding the row: cu[first] <= row < cu[last]
-            if not cu_seqlens_q[first] <= row < cu_seqlens_q[last]:  # a row of no sequence: no gradient
-                store_16(dq, (0, h, row, 8 * chunk), uint32(0), uint32(0), uint32(0), uint32(0))
-                return
+            # the sequence holding the row, cu[first] <= row < cu[last] (the offsets run from 0 to total_q)
+            first, last = 0, cu_seqlens_q.shape[0] - 1
             while last - first > 1:
                 middle = (first + last) // 2
                 if cu_seqlens_q[middle] <= row:
@@ -167,13 +164,11 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     PRODUCER, STAGES = config.producer, config.stages  # stages of the query tiles
     CONSUMERS = 128 * GROUPS  # the computing threads
     DQ_PENDING = DQ_STAGES - 1  # reductions that may still read their dQ buffer when one is reused
-    # the copying threads, and the warps that add the dQ tiles (with a producer its threads and warps): a batch's
-    # tile by one bulk reduction, packed sequences' by one per row, every reducing warp issuing an equal share of
-    # them (a warp issues its lanes' bulk operations one after another), two warps of a producer or every warp
+    # the copying threads: the producer's, else every thread
     COPIERS, FIRST_COPIER = (128, CONSUMERS) if PRODUCER else (NUM_THREADS, 0)
     REDUCER = CONSUMERS if PRODUCER else 0  # the thread that adds the dQ tiles
     # mbarriers (with a producer): FULL + s (query stage s landed; the first use brings K and V too), EMPTY + s
-    # (every computing thread is done with stage s), DQ_FULL + b (dQ buffer b staged), DQ_EMPTY + b (its rows read)
+    # (every computing thread is done with stage s), DQ_FULL + b (dQ buffer b staged), DQ_EMPTY + b (it was read)
     FULL, EMPTY = 0, STAGES
     DQ_FULL, DQ_EMPTY = 2 * STAGES, 2 * STAGES + DQ_STAGES
     BARRIERS = 2 * STAGES + 2 * DQ_STAGES
@@ -461,7 +456,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             if PRODUCER:
                 mbarrier_arrive(bars, EMPTY + stage)  # done with the query stage
                 if it >= DQ_STAGES:
-                    mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last rows are read
+                    mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last tile was read
             # each warp's fragments in rows of their own (dq_fragment_axes): 256 contiguous bytes per store
             dq_stage = tile_view(rows_f, dq_off, DQ_FRAGMENT_ROWS, 64)
             for n in range(DQ_TILES):

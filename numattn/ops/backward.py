@@ -83,16 +83,17 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
     what = (f"{dtype} d={head_dim}/{head_dim_v} causal={causal}" + (f" {mods}" if mods != NO_MODS else "")
             + (f" {sequences}" if sequences.varlen else ""))
     offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
-    fragment_ordered = isinstance(config, BackwardWgmmaConfig)  # dQ added in tiles: dq_fragment_axes
+    tiled_dq = isinstance(config, BackwardWgmmaConfig)  # dQ added in whole tiles, in fragment order
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
         "dkdv": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)] * 2, 1),  # ..., dk, dv
-        "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 3 if fragment_ordered else 4)] + [(grads, 4)] * 2, 2),  # ..., dq, dk, dv
+        # ..., the float32 dQ accumulator, dk, dv
+        "tiles": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 3 if tiled_dq else 4)] + [(grads, 4)] * 2, 2),
         "dq rows": ([(f32, 3), (storage, 4)], 0),  # the accumulator in fragment order, dq (, cu_seqlens_q)
     }
     # the slowest to compile first: a worker compiling them ahead starts on the one the backward waits for longest
-    names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows") + (("dq rows",) if fragment_ordered else ())
+    names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows") + (("dq rows",) if tiled_dq else ())
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
               "tiles": f"backward {config} {what}", "dq rows": f"backward dq rows {config} {what}"}
     tails = {"rows": offsets[:1], "dq rows": offsets[:1]}
@@ -173,8 +174,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
                        sequences=None):
     """``(dq, dk, dv)`` for 4-D (batch, heads, seq, dim) torch tensors ``q, k, v, o, do`` of one dtype
     (any strides) and the float32 natural-log ``lse`` [B, Hq, Sq]: the gradients in the inputs' dtype on
-    tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated
-    score modifications (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors.
+    tensor cores and in float32 on CUDA cores. ``options`` are the forward's validated score modifications
+    (``ops/score_mods.py``) with their ``alibi`` and ``sinks`` tensors.
 
     With ``sequences`` ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_k)`` (int32 offsets like the tensors, an int):
     packed sequences as ``attention_varlen`` takes them, ``q``, ``o``, ``do`` ``[total_q, Hq, D]``, ``k``,
@@ -236,8 +237,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         return dq, dk, dv
     q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
     # the float32 accumulator of dQ, to which the kernel adds each key tile's share
-    if "dq rows" in specs:  # whole tiles in fragment order (``dq_fragment_axes``), with the rows of lse2
-        dq4 = torch.zeros((*rows_shape[:2], rows_shape[2] * head_dim), dtype=torch.float32, device=q.device)
+    tiled_dq = "dq rows" in specs  # whole tiles in fragment order (``dq_fragment_axes``), with the rows of lse2
+    if tiled_dq:
+        accumulator = dq4 = torch.zeros((*rows_shape[:2], rows_shape[2] * head_dim), dtype=torch.float32,
+                                        device=q.device)
     else:
         accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
@@ -245,11 +248,11 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
             mods, offsets)
-    if "dq rows" not in specs:
+    if not tiled_dq:
         return accumulator.to(q.dtype), dk, dv
     dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
-    _launch(specs["dq rows"], -(-dq.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (dq4, dq_rows), (), stream,
-            offsets=offsets[:1])
+    _launch(specs["dq rows"], -(-dq.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (accumulator, dq_rows), (),
+            stream, offsets=offsets[:1])
     return dq, dk, dv
 
 
