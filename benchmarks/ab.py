@@ -13,11 +13,11 @@ change nothing shows ratios within noise (about ±2%).
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not; B4 H16 L4096 D256 bf16
 causal; B4 H16 L8192 D128 bf16 causal with a window of 1024 or a softcap of 30; four packed causal
 sequences of 4096, H32 D128; a short grid whose keys split, 256 queries over 16384 keys, D128 bf16 and D64
-fp16), decode (B64 Hq32 Hkv8
-L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode (rank 512, rope 64: B768 H64
-L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward (B4 H32 L4096 D128 and D96
-bf16, causal; B8 H16 L2048 D64 bf16 causal; B4 H16 L8192 D128 causal with a window of 1024, ALiBi or a softcap of 30; four packed causal
-sequences of 4096, H32 D128), each with its default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
+fp16), decode (B64 Hq32 Hkv8 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode
+(rank 512, rope 64: B768 H64 L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward
+(B4 H32 L4096 D128 and D96 bf16, causal; B8 H16 L2048 D64 bf16 causal; B4 H16 L8192 D128 causal with a
+window of 1024, ALiBi or a softcap of 30; four packed causal sequences of 4096, H32 D128), each with its
+default arguments. ``--only TEXT`` keeps the cases whose names contain TEXT.
 Then the host time per call of tiny problems (``numattn.bench.host_overhead_us``: rounds of 50
 back-to-back calls, the packages in turns), where a change of the calls' Python path shows.
 """

@@ -66,8 +66,8 @@ SPLIT_SIGNATURE = (_U16,) * 4 + (_F32, types.Array(types.float32, 5, "A"), types
                    types.float32)
 DECODE_SIGNATURE = (_U16,) * 3 + (_I32, types.Array(types.int32, 1, "A"), _U16, *SPLIT_SIGNATURE[4:], *MOD_SIGNATURE)
 ATTENTION_SPLIT_SIGNATURE = SPLIT_SIGNATURE + MOD_SIGNATURE
-# q, k, v, dO, lse2, delta, the float32 dQ accumulator (rows; for the wgmma kernel over a batch, tiles in fragment
-# order), dK, dV, scale, scale_log2
+# q, k, v, dO, lse2, delta, the float32 dQ accumulator (rows for the mma.sync kernel, whole tiles in fragment order
+# for the wgmma kernel), dK, dV, scale, scale_log2
 BACKWARD_SIGNATURE, BACKWARD_WGMMA_SIGNATURE = (
     (_U16,) * 4 + (_F32, _F32, types.Array(types.float32, dq_rank, "A"), _U16, _U16, types.float32, types.float32,
                    *MOD_SIGNATURE) for dq_rank in (4, 3))
