@@ -15,14 +15,17 @@ block computes the tile's ``dQ = dS K`` (A K-major, B = K MN-major; warpgroup
 ``w`` takes head-dim columns ``w·D/warpgroups ..``) and adds it to the float32
 accumulator with a bulk asynchronous reduction (``cp.reduce.async.bulk``) of
 the tile staged in shared memory. The accumulator holds each query tile's dQ
-in the order of the accumulator fragments (``dq_fragment_axes``; a packed
-sequence's tiles from the row where its lse₂ and delta rows start): the warps
-stage their fragments as they hold them, with no bank conflicts, and one
-reduction adds the whole tile; ``dq_rows_kernel`` then puts the rows in order
-and converts dQ to the inputs' dtype. With two staging buffers (``dq_stages``)
-a tile's reduction reads while the next tile is computed. Q and dO tiles, with
-their rows of lse₂ and delta, stream through ``cp.async`` stages; K and V are copied once. All
-16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
+(a packed sequence's tiles from the row where its lse₂ and delta rows start)
+in the order of the accumulator fragments, the *fragment order*: axes
+(warpgroup, warp within the warpgroup, n8 tile, half, lane // 4, lane % 4,
+element) of sizes (warpgroups, 4, D / warpgroups / 8, 2, 8, 4, 2), holding row
+``16 warp + 8 half + lane // 4`` and column ``warpgroup · D / warpgroups + 8 tile
++ 2 (lane % 4) + element``. The warps stage their fragments as they hold them,
+with no bank conflicts, and one reduction adds the whole tile;
+``dq_rows_kernel`` then puts the rows in order and converts dQ to the inputs'
+dtype. With two staging buffers (``dq_stages``) a tile's reduction reads while
+the next tile is computed. Q and dO tiles, with their rows of lse₂ and delta,
+stream through ``cp.async`` stages; K and V are copied once. All 16-bit tiles use the 128-byte swizzled layout that wgmma reads (``ptx/wgmma.py``).
 At the end each warpgroup writes its dK and dV rows through its own rows of the V
 tile, which no other warpgroup reads, so that each global store is a 16-byte chunk.
 
@@ -94,23 +97,15 @@ BLOCK_M = 64  # query rows per tile: the M of dQ = dS K
 DQ_ROWS_THREADS = 256  # per block of the kernel that puts dQ's rows in order
 
 
-def dq_fragment_axes(config, head_dim):
-    """The axes of a query tile's dQ as the backward's float32 accumulator holds it, the fragments in the
-    order the computing threads hold them: sizes of (warpgroup, warp within the warpgroup, n8 tile, half,
-    lane // 4, lane % 4, element). Row ``16 warp + 8 half + lane // 4``, column
-    ``warpgroup · D / warpgroups + 8 tile + 2 (lane % 4) + element``."""
-    return config.warpgroups, 4, head_dim // config.warpgroups // 8, 2, 8, 4, 2
-
-
 @functools.lru_cache(maxsize=None)
 def dq_rows_kernel(config, dtype, head_dim, sequences=DENSE):
     """Numba kernel ``kernel(accumulator, dq)`` (packed ``sequences``: ``kernel(accumulator, dq, cu_seqlens_q)``):
     dQ ``[B, Hq, Sq, D]`` (packed: ``[1, Hq, total_q, D]``; 16-bit storage, 16-byte aligned rows with a
     contiguous last axis) from the float32 ``accumulator`` of the backward of ``config`` (``[B or 1, Hq, rows ·
-    D]``, tiles in the order of ``dq_fragment_axes``; a packed sequence's rows from ``padded_rows``),
+    D]``, tiles in the fragment order of the module docstring; a packed sequence's rows from ``padded_rows``),
     converted to ``dtype`` and put in row order. Launch ``DQ_ROWS_THREADS`` threads per block, one per 8
     columns of a row of ``dq`` (contiguous in the accumulator): ``dq.size / 8`` in all."""
-    _, _, N8_TILES, _, _, _, _ = dq_fragment_axes(config, head_dim)
+    N8_TILES = head_dim // config.warpgroups // 8  # of a warpgroup's dQ columns
     CHUNKS, TILE = head_dim // 8, BLOCK_M * head_dim  # 8-column chunks of a row; a tile's elements
     pack = pack_bf16x2 if dtype == "bfloat16" else pack_f16x2
 
@@ -159,7 +154,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     cap_log2, cap_slope)``, arguments, score modifications, packed ``sequences`` and launch as for
     ``backward_mma_kernel`` (``lse2``, ``delta`` padded to whole tiles of 64 rows), but for the float32
     accumulator ``dq``, ``[B or 1, Hq, rows · D]`` with the rows of ``lse2``, each tile of 64 rows in the order
-    of ``dq_fragment_axes``."""
+    of the module docstring's fragment order."""
     GROUPS, BLOCK_N, NUM_THREADS, DQ_STAGES = config.warpgroups, config.block_n, config.num_threads, config.dq_stages
     PRODUCER, STAGES = config.producer, config.stages  # stages of the query tiles
     CONSUMERS = 128 * GROUPS  # the computing threads
@@ -457,7 +452,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 mbarrier_arrive(bars, EMPTY + stage)  # done with the query stage
                 if it >= DQ_STAGES:
                     mbarrier_wait(bars, DQ_EMPTY + dq_buffer, dq_parity ^ 1)  # the buffer's last tile was read
-            # each warp's fragments in rows of their own (dq_fragment_axes): 256 contiguous bytes per store
+            # each warp's fragments in rows of their own (the fragment order): 256 contiguous bytes per store
             dq_stage = tile_view(rows_f, dq_off, DQ_FRAGMENT_ROWS, 64)
             for n in range(DQ_TILES):
                 for half in range(2):

@@ -237,7 +237,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         return dq, dk, dv
     q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
     # the float32 accumulator of dQ, to which the kernel adds each key tile's share
-    tiled_dq = "dq rows" in specs  # whole tiles in fragment order (``dq_fragment_axes``), with the rows of lse2
+    tiled_dq = "dq rows" in specs  # whole tiles in the wgmma kernel's fragment order, with the rows of lse2
     if tiled_dq:
         accumulator = dq4 = torch.zeros((*rows_shape[:2], rows_shape[2] * head_dim), dtype=torch.float32,
                                         device=q.device)
