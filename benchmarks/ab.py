@@ -11,7 +11,7 @@ per round the median of CUDA-event timings with the L2 cache flushed. A restruct
 change nothing shows ratios within noise (about ±2%).
 
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not; B4 H16 L4096 D256 bf16
-causal; B4 H16 L8192 D128 bf16 causal with a window of 1024 or a softcap of 30; four packed causal
+causal; B4 H16 L8192 D128 bf16 causal, alone and with a window of 1024 or a softcap of 30; four packed causal
 sequences of 4096, H32 D128; a short grid whose keys split, 256 queries over 16384 keys, D128 bf16 and D64
 fp16), decode (B64 Hq32 Hkv8 L4096 D128 fp16: contiguous, with ``seqlens``, paged by 16 rows), MLA decode
 (rank 512, rope 64: B768 H64 L2048 in pages of one row, B768 H16 L1024 in pages of 64), forward + backward
@@ -80,8 +80,8 @@ def cases(torch, packages):
     table["prefill B4 H16 L4096 D256 bf16 causal"] = per_package(
         packages, lambda pkg, q=q, k=k, v=v: pkg.attention(q, k, v, causal=True))
     q, k, v = (rnd(4, 16, 8192, 128, dtype=torch.bfloat16) for _ in range(3))
-    for label, options in (("window 1024", dict(window=(1024, 0))), ("softcap 30", dict(softcap=30.0))):
-        table[f"prefill B4 H16 L8192 D128 bf16 causal, {label}"] = per_package(
+    for label, options in (("", {}), (", window 1024", dict(window=(1024, 0))), (", softcap 30", dict(softcap=30.0))):
+        table[f"prefill B4 H16 L8192 D128 bf16 causal{label}"] = per_package(
             packages, lambda pkg, q=q, k=k, v=v, options=options: pkg.attention(q, k, v, causal=True, **options))
     q, k, v = (rnd(4 * 4096, 32, 128, dtype=torch.bfloat16) for _ in range(3))
     offsets = torch.arange(0, 4 * 4096 + 1, 4096, device="cuda", dtype=torch.int32)

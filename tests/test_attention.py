@@ -269,6 +269,26 @@ def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
     assert misfit(problem, WgmmaConfig(128, 1, 3), sm90) is None
 
 
+def test_large_grids_walk_their_heads_in_sections():
+    """A forward grid takes its heads in sections from 128 heads whose keys and values exceed 128 MiB: B4 H32
+    L4096 D128 (256 MiB), not with 64 heads (B4 H16 L8192) nor at 64 MiB (B8 H16 L2048 D64 fp16, B4 Hq32
+    Hkv8 L4096 D128); float32 values count 4 bytes."""
+    from types import SimpleNamespace
+
+    from numattn.configs.attention import grid_in_sections
+
+    def sections(batch, heads_q, heads_kv, seqlen_kv, head_dim, dtype="bfloat16"):
+        return grid_in_sections(SimpleNamespace(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_kv=seqlen_kv,
+                                                head_dim=head_dim, head_dim_v=head_dim, dtype=dtype))
+
+    assert sections(4, 32, 32, 4096, 128)
+    assert not sections(4, 16, 16, 8192, 128)
+    assert not sections(8, 16, 16, 2048, 64, "float16")
+    assert not sections(8, 16, 16, 4096, 64, "float16")  # 128 MiB
+    assert sections(8, 16, 16, 4096, 64, "float32")
+    assert not sections(4, 32, 8, 4096, 128)
+
+
 def test_default_splits_the_keys_of_short_grids(monkeypatch):
     """On sm_90 the default splits the keys where the query tiles fill at most half the SMs over at least four
     times as many keys, into as many runs as keep a block per SM and 8 key tiles per run, packed sequences

@@ -63,6 +63,24 @@ def test_against_float64_and_sdpa(rng, dtype, causal, shape):
         assert max_error(o, ref_o) <= 2 * sdpa_error + ulp + 1e-6
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_grid_in_sections_of_heads_computes_every_tile(causal):
+    """136 heads whose keys and values (2 MiB each) exceed ``STREAMED_KV_BYTES``: the grid takes them in sections
+    (the last one smaller); the output is bit for bit that of runs over 8 heads at a time, whose grids are
+    one section."""
+    from numattn.configs.attention import SECTIONED_HEADS, STREAMED_KV_BYTES
+
+    heads, seqlen, head_dim = 136, 4096, 128
+    assert heads >= SECTIONED_HEADS > 8
+    assert heads * seqlen * 2 * head_dim * 2 > STREAMED_KV_BYTES
+    q, k, v = (torch.randn(1, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    numattn.attention(q, k, v, causal=causal, out=out)
+    for h in range(0, heads, 8):
+        part = numattn.attention(*(x[:, h:h + 8].contiguous() for x in (q, k, v)), causal=causal)
+        assert torch.equal(out[:, h:h + 8], part)
+
+
 def _clusters_if(wanted, rule, blocks, splits, limits):
     """``rule`` (``configs.attention.cluster_merges``) for a grid of any size where ``wanted``, else no cluster."""
     return wanted and rule(0, splits, limits)

@@ -509,6 +509,28 @@ def test_last_block_reads_every_block_through_l2(where):
 
 
 
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_a_forward_grid_in_sections_visits_every_tile_once(where):
+    """A forward grid of 5 query tiles × 28 heads (KV heads shared by 2), each KV head a third of the L2 section,
+    walks the heads 3 groups at a time, the last section holding the 4 heads left, tile by tile from the
+    longest; heads that all fit make one section."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numba import cuda
+
+    from numattn.kernels.tiles import L2_SECTION_BYTES
+
+    from warp_kernels import grid_order_kernel
+
+    tiles = 5
+    for heads, head_bytes, size in ((28, L2_SECTION_BYTES // 3, 6), (12, L2_SECTION_BYTES // 6, 12)):
+        places = cuda.to_device(np.full((tiles * heads, 2), -1, np.int64))
+        grid_order_kernel[tiles * heads, 1](places, heads, 2, head_bytes)
+        expected = [(t, first + h) for first in range(0, heads, size) for t in range(tiles)
+                    for h in range(min(size, heads - first))]
+        assert list(map(tuple, places.copy_to_host())) == expected
+
+
 @pytest.mark.sim
 @pytest.mark.skipif(not numattn.SIMULATOR, reason="the simulator's shared memory")
 def test_simulator_static_shared_array_is_one_per_call_site():

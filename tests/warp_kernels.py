@@ -54,7 +54,7 @@ from numattn.kernels.ptx import (
     wgmma_wait,
 )
 from numattn.kernels.split_merge import last_to_finish, release_counter
-from numattn.kernels.tiles import sw128_cell, tile_view
+from numattn.kernels.tiles import query_tile, sw128_cell, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)
 
@@ -395,6 +395,13 @@ def last_block_sum_kernel(values, counters, totals, launch):
             totals[launch, 0] = total
             totals[launch, 1] = total4
         release_counter(counters, 0, 0)
+
+
+@cuda.jit
+def grid_order_kernel(places, heads, group_size, head_bytes):
+    """Block ``i`` writes its place in a forward grid, ``query_tile(heads, group_size, head_bytes)``, into
+    ``places[i]``."""
+    places[cuda.blockIdx.x, 0], places[cuda.blockIdx.x, 1] = query_tile(heads, group_size, head_bytes)
 
 
 @functools.lru_cache(maxsize=None)

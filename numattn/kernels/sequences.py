@@ -34,7 +34,7 @@ from numba import int32, uint32
 
 from .._cuda import cuda
 from .ptx import load_readonly_i32
-from .tiles import key_block, key_tile, query_tiles, row_of_batch
+from .tiles import key_block, key_tile, query_tile, query_tiles, row_of_batch
 
 ROWS_ALIGNMENT = 128  # the start of a sequence's rows of a varlen backward's lse2 and delta; at least any block_m
 
@@ -46,17 +46,19 @@ class SequenceLayout:
     varlen: bool = False
     page_size: int = 0  # keys per page of a paged layout, 0 for packed keys
     seqused: bool = False
+    sections: bool = False  # dense: a forward grid walks its heads in sections (``tiles.query_tile``)
 
     @property
     def paged(self):
         return self.page_size > 0
 
     def __str__(self):
-        names = [name for name in ("varlen", "paged", "seqused") if getattr(self, name)]
+        names = [name for name in ("varlen", "paged", "seqused", "sections") if getattr(self, name)]
         return "+".join(names).replace("paged", f"pages of {self.page_size}") or "dense"
 
 
 DENSE = SequenceLayout()
+DENSE_IN_SECTIONS = SequenceLayout(sections=True)
 
 
 @functools.cache
@@ -95,10 +97,11 @@ def block_locator(layout):
     ``h_kv``), and must visit its keys ``0 .. n_end``; ``m0 < 0`` for a block past its sequence's rows.
     Row ``r`` of the sequence is row ``q_row0 + r`` of ``q[q_at, h]`` (and of ``o``, ``lse``); key ``n`` is
     found by ``source_row(layout)(kv_at, k_row0 + n)``. A sequence's last query rows, the longest under
-    causal masking, come first in the grid. ``sequences`` is ``(cu_seqlens_q, cu_seqlens_k, seqused_k,
-    page_table)``, or ``()`` for a dense layout.
+    causal masking, come first in the grid (with ``sections``, first in a section of heads). ``sequences`` is
+    ``(cu_seqlens_q, cu_seqlens_k, seqused_k, page_table)``, or ``()`` for a dense layout.
     """
     VARLEN, PAGED, SEQUSED, PAGE_SIZE = layout.varlen, layout.paged, layout.seqused, layout.page_size
+    SECTIONS = layout.sections
 
     @cuda.jit(device=True, forceinline=True)
     def locate(q, v, sequences, block_m, causal):
@@ -109,8 +112,13 @@ def block_locator(layout):
         else:
             batch = q.shape[0]
         heads = batch * heads_q
-        tiles_from_end = cuda.blockIdx.x // heads
-        b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
+        if SECTIONS:
+            kv_head_bytes = v.shape[2] * (q.shape[3] + v.shape[3]) * v.itemsize
+            tiles_from_end, head = query_tile(heads, heads_q // heads_kv, kv_head_bytes)
+            b, h = head // heads_q, head % heads_q
+        else:
+            tiles_from_end = cuda.blockIdx.x // heads
+            b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
         if PAGED:
             q_at, k_row0 = 0, 0
             kv_at = (page_table, b, int32(v.shape[0] - 1))

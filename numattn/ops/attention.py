@@ -30,6 +30,7 @@ from ..configs.attention import (
     cluster_merges,
     default_choice,
     fitting_kernels,
+    grid_in_sections,
     problem_shared_bytes,
     split_options,
     splits_keys,
@@ -41,6 +42,7 @@ from ..kernels.attention_simt import simt_attention_kernel
 from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits
+from ..kernels.sequences import DENSE_IN_SECTIONS
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
@@ -326,6 +328,8 @@ def _attention_kernel(p, device, config=None, splits=1):
                  "cluster_merge": p.sequences is None and cluster_merges(blocks, splits, limits)}
     if p.sequences is not None:
         flags["sequences"] = p.sequences.layout
+    elif grid_in_sections(p):
+        flags["sequences"] = DENSE_IN_SECTIONS
     dispatcher = _KERNELS[kind](config, p.dtype, p.head_dim, p.head_dim_v, p.causal, p.return_lse, **flags,
                                 mods=p.options.mods)
     shared_bytes = problem_shared_bytes(p, config)
@@ -336,7 +340,7 @@ def _attention_kernel(p, device, config=None, splits=1):
     merge = "cluster" if cluster else "last block"
     label = (f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
              + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
-             + (f" {p.sequences.layout}" if p.sequences is not None else ""))
+             + (f" {flags['sequences']}" if "sequences" in flags else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
                    config, splits, cluster, flags.get("k_transposed", False))
 
