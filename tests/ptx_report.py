@@ -101,6 +101,10 @@ def variants():
             config = choose_wgmma_config(head_dim, head_dim, 227 * 1024)
             kernel = wgmma_attention_kernel(config, dtype, head_dim, head_dim, True, True, True)
             yield f"wgmma-{dtype}-causal1-d{head_dim}", kernel, SIGNATURE[types.uint16]
+    # a large grid that walks its heads in sections
+    kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
+                                    sequences=SequenceLayout(sections=True))
+    yield "wgmma-bfloat16-causal1-d128-sections", kernel, SIGNATURE[types.uint16]
     # every score modification at once: sliding window, softcap, ALiBi, sinks
     for head_dim in (64, 128):
         mma_config = choose_mma_config(head_dim, head_dim, 227 * 1024)
