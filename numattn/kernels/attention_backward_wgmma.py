@@ -88,7 +88,7 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_queries
-from .sequences import DENSE, backward_kernel, key_block_locator, padded_rows
+from .sequences import DENSE, backward_kernel, key_block_locator, padded_rows, sequence_of
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
@@ -127,16 +127,9 @@ def dq_rows_kernel(config, dtype, head_dim, sequences=DENSE):
             chunk, h, row = i % CHUNKS, i // CHUNKS % heads, i // (CHUNKS * heads)  # the order of q's packed rows
             if row >= total:
                 return
-            # the sequence holding the row, cu[first] <= row < cu[last] (the offsets run from 0 to total_q)
-            first, last = 0, cu_seqlens_q.shape[0] - 1
-            while last - first > 1:
-                middle = (first + last) // 2
-                if cu_seqlens_q[middle] <= row:
-                    first = middle
-                else:
-                    last = middle
-            row0 = cu_seqlens_q[first]
-            convert(accumulator, dq, 0, h, row, padded_rows(row0, first) + row - row0, chunk)
+            b = sequence_of(cu_seqlens_q, row)
+            row0 = cu_seqlens_q[b]
+            convert(accumulator, dq, 0, h, row, padded_rows(row0, b) + row - row0, chunk)
     else:
         def kernel(accumulator, dq):
             i = cuda.grid(1)
