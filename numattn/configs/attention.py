@@ -4,6 +4,7 @@ The kernels (``kernels/attention_*.py``) take a configuration and read its field
 
 from dataclasses import dataclass
 
+from .._arrays import storage_dtype
 from .._cuda import SIMULATOR
 from ..kernels.launch import device_limits
 from ..kernels.ptx import SW128_ALIGN
@@ -422,8 +423,7 @@ def grid_in_sections(p):
     blocks at once: in the plain order, one query tile of each of 128 heads, each reading keys of its own.
     Measured on an H200 at B4 H32 L4096 D128 bf16: causal 8–11% faster, non-causal 2–5%; with 64 heads (B4
     H16 L8192 D128) or 64 MiB of keys and values (B8 H16 L2048 D64) sections were no faster."""
-    itemsize = 4 if p.dtype == "float32" else 2
-    kv_bytes = p.batch * p.heads_kv * p.seqlen_kv * (p.head_dim + p.head_dim_v) * itemsize
+    kv_bytes = p.batch * p.heads_kv * p.seqlen_kv * (p.head_dim + p.head_dim_v) * storage_dtype(p.dtype).itemsize
     return p.batch * p.heads_q >= SECTIONED_HEADS and kv_bytes > STREAMED_KV_BYTES
 
 
