@@ -454,6 +454,36 @@ def test_wgmma_swizzled_operands(rng, bf16, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_tensor_copies_place_rows_as_the_tile_copier_does(rng, where):
+    """A tensor map's boxes (two 64-column panels of 64 rows of ``src[1, 2]`` from row 64 of 100) land in shared
+    memory where ``cp.async``'s tile copier puts the same rows, swizzled, and the rows past the array's end
+    read 0 in both."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor copies need sm_90")
+    from numba import cuda
+
+    from numattn.kernels.tensor_maps import tile_map
+
+    from warp_kernels import TMA_ROWS, TMA_SHARED_BYTES, TMA_TILE_ROWS, tma_tile_kernel
+
+    src = rng.integers(1, 2**16, (2, 3, 100, 128), dtype=np.uint16)
+    device_src = cuda.to_device(src)
+    maps = cuda.to_device(tile_map(device_src, TMA_ROWS)[None])
+    out = cuda.to_device(np.zeros((2 * TMA_TILE_ROWS, 64), np.uint16))
+    tma_tile_kernel[1, 128, 0, TMA_SHARED_BYTES](maps, device_src, out, 1, 2, 64)
+    out = out.copy_to_host()
+    assert np.array_equal(out[:TMA_TILE_ROWS], out[TMA_TILE_ROWS:])
+    rows = np.zeros((TMA_ROWS, 128), np.uint16)
+    rows[:36] = src[1, 2, 64:]
+    for r in range(TMA_ROWS):
+        for c in range(0, 128, 8):
+            row, col = sw128_cell(0, TMA_ROWS, r, c)
+            assert np.array_equal(out[row, col:col + 8], rows[r, c:c + 8]), (r, c)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_named_barriers_take_turns(where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")

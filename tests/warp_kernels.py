@@ -31,6 +31,7 @@ from numattn.kernels.ptx import (
     ldmatrix_x4_trans,
     load_l2_f32,
     load_l2_f32x4,
+    mbarrier_arrive_expect_tx,
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
@@ -43,6 +44,7 @@ from numattn.kernels.ptx import (
     st_shared_b32,
     stmatrix_x4,
     stmatrix_x4_trans,
+    tma_load_box,
     unpack_bf16x2,
     unpack_f16x2,
     wgmma_commit,
@@ -54,7 +56,7 @@ from numattn.kernels.ptx import (
     wgmma_wait,
 )
 from numattn.kernels.split_merge import last_to_finish, release_counter
-from numattn.kernels.tiles import query_tile, sw128_cell, tile_view
+from numattn.kernels.tiles import query_tile, sw128_cell, tile_copier, tile_view
 
 ROW = 24  # shared tile row, in elements: 16 plus 8 of padding (rows stay 16-byte aligned)
 
@@ -337,6 +339,41 @@ def make_wgmma_kernel(bf16):
 
 
 WGMMA_SHARED_BYTES = 2 * 64 * (4 * 64 + WG_K) + SW128_ALIGN
+
+
+TMA_ROWS, TMA_COLS = 64, 128  # the tile of tma_tile_kernel: two 64-column panels
+TMA_TILE_ROWS = TMA_ROWS * TMA_COLS // 64  # its 128-byte rows in shared memory
+TMA_VIEW_ROWS = 2 * TMA_TILE_ROWS  # the tile copied twice
+TMA_SHARED_BYTES = TMA_VIEW_ROWS * 128 + SW128_ALIGN
+_copy_tma_tile = tile_copier(128, sw128_cell)
+
+
+@cuda.jit
+def tma_tile_kernel(maps, src, out, b, h, row0):
+    """One block of 128 threads: thread 0 copies the tile of rows ``row0 ..`` of ``src[b, h]`` by tensor copies
+    (the map ``maps[0]``, boxes of ``TMA_ROWS`` rows) into the first ``TMA_TILE_ROWS`` rows of shared memory,
+    every thread the same tile by ``cp.async`` (``tiles.tile_copier``) into the next; ``out`` receives both
+    as they lie."""
+    smem = cuda.shared.array(0, uint16)
+    bars = cuda.shared.array(2, int64)
+    view = tile_view(smem, aligned_start(smem, SW128_ALIGN), TMA_VIEW_ROWS, 64)
+    tid = cuda.threadIdx.x
+    if tid == 0:
+        mbarrier_init(bars, 0, 1)  # the tensor copies: one arrival and their bytes
+        mbarrier_init(bars, 1, 128)  # the cp.async copies
+    cuda.syncthreads()
+    if tid == 0:
+        mbarrier_arrive_expect_tx(bars, 0, TMA_ROWS * TMA_COLS * 2)
+        for panel in range(TMA_COLS // 64):
+            tma_load_box(view, panel * TMA_ROWS, maps, 0, b, h, row0, 64 * panel, bars, 0)
+    _copy_tma_tile(view, TMA_TILE_ROWS, int64(TMA_ROWS), src, b, h, row0, src.shape[2], TMA_COLS)
+    cp_async_mbarrier_arrive(bars, 1)
+    while not mbarrier_try_wait(bars, 0, 0):
+        pass
+    while not mbarrier_try_wait(bars, 1, 0):
+        pass
+    for i in range(tid, TMA_VIEW_ROWS * 64, 128):
+        out[i // 64, i % 64] = view[i // 64, i % 64]
 
 
 @cuda.jit

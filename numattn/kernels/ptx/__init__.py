@@ -18,7 +18,7 @@ result, following the fragment layouts of the PTX ISA. Lane ``l`` of a warp has
 The primitives are grouped by instruction family: ``convert`` (fp32 and 16-bit conversions,
 packing), ``warp`` (ex2, shuffles, ballot), ``mma`` (``mma.sync``, ``ldmatrix``, ``stmatrix``),
 ``copies`` (``cp.async``, global loads, bulk reductions, shared stores), ``wgmma`` (warpgroup
-multiply-accumulate and its fences), ``barriers`` (mbarriers, named barriers), ``cluster`` (the
+multiply-accumulate and its fences), ``tma`` (tensor copies), ``barriers`` (mbarriers, named barriers), ``cluster`` (the
 cluster barrier, loads from another block's shared memory); ``_core`` holds what they share. Every public name is importable from ``numattn.kernels.ptx``.
 """
 
@@ -28,6 +28,7 @@ from .barriers import (  # noqa: F401
     barrier_sync,
     cp_async_mbarrier_arrive,
     mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
     mbarrier_init,
     mbarrier_try_wait,
     mbarrier_wait,
@@ -74,6 +75,7 @@ from .mma import (  # noqa: F401
     stmatrix_x4,
     stmatrix_x4_trans,
 )
+from .tma import PANEL_COLUMNS, tma_load_box  # noqa: F401
 from .warp import (  # noqa: F401
     ballot,
     ex2_approx,

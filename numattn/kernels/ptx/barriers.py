@@ -23,19 +23,32 @@ from .copies import land_async_copies
 
 
 class _Mbarrier:
+    """A phase completes when ``count`` threads have arrived and the transaction count (bytes that
+    ``mbarrier_arrive_expect_tx`` announced, less those tensor copies delivered) is back at zero."""
+
     def __init__(self, count):
         self.count = count
         self.pending = count
+        self.transactions = 0
         self.phases = 0  # completed phases
         self.changed = threading.Condition()
 
-    def arrive(self):
+    def arrive(self, expected_bytes=0):
         with self.changed:
+            self.transactions += expected_bytes
             self.pending -= 1
-            if self.pending == 0:
-                self.pending = self.count
-                self.phases += 1
-                self.changed.notify_all()
+            self._complete_if_done()
+
+    def complete_transactions(self, nbytes):
+        with self.changed:
+            self.transactions -= nbytes
+            self._complete_if_done()
+
+    def _complete_if_done(self):
+        if self.pending == 0 and self.transactions == 0:
+            self.pending = self.count
+            self.phases += 1
+            self.changed.notify_all()
 
 
 def _mbarriers():
@@ -59,6 +72,18 @@ def mbarrier_init(bars, index, count):
 def mbarrier_arrive(bars, index):
     """``mbarrier_arrive(bars, i)``: this thread arrives at ``bars[i]`` (``mbarrier.arrive.shared::cta.b64``, release)."""
     _mbarriers()[_mbarrier_key(bars, index)].arrive()
+
+
+def mbarrier_arrive_expect_tx(bars, index, nbytes):
+    """``mbarrier_arrive_expect_tx(bars, i, nbytes)``: this thread arrives at ``bars[i]`` and the phase waits for
+    ``nbytes`` more bytes of tensor copies (``tma.tma_load_box``) to land too
+    (``mbarrier.arrive.expect_tx.shared::cta.b64``)."""
+    _mbarriers()[_mbarrier_key(bars, index)].arrive(int(nbytes))
+
+
+def _complete_transactions(bars, index, nbytes):
+    """The twins' delivery of ``nbytes`` of a tensor copy to ``bars[i]`` (the copy engine's, on the GPU)."""
+    _mbarriers()[_mbarrier_key(bars, index)].complete_transactions(int(nbytes))
 
 
 def cp_async_mbarrier_arrive(bars, index):
@@ -113,6 +138,10 @@ _bind(mbarrier_init, _mbarrier_lowering("mbarrier.init.shared::cta.b64 [$0], $1;
 _bind(
     mbarrier_arrive,
     _mbarrier_lowering("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }", "r,~{memory}", ir.VoidType(), False),
+)
+_bind(
+    mbarrier_arrive_expect_tx,
+    _mbarrier_lowering("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}", ir.VoidType(), True),
 )
 _bind(
     cp_async_mbarrier_arrive,
