@@ -73,6 +73,11 @@ BACKWARD_SIGNATURE, BACKWARD_WGMMA_SIGNATURE = (
                    *MOD_SIGNATURE) for dq_rank in (4, 3))
 
 
+def dense_backward_wgmma_signature(config):
+    """The dense wgmma backward's argument types: with tensor copies, the tensor maps of Q and dO last."""
+    return BACKWARD_WGMMA_SIGNATURE + ((types.Array(types.uint64, 2, "A"),) if config.tensor_copies else ())
+
+
 def report(ptx):
     return {
         "local_bytes": sum(int(n) for n in re.findall(r"\.local\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx)),
@@ -130,7 +135,7 @@ def variants():
     # the backward at head dim 128: a producer warpgroup copies the query tiles and adds the dQ tiles
     config = choose_backward_wgmma_config(128, 128, 227 * 1024)
     yield ("backward-wgmma-bfloat16-causal1-d128", backward_wgmma_kernel(config, "bfloat16", 128, 128, True),
-           BACKWARD_WGMMA_SIGNATURE)
+           dense_backward_wgmma_signature(config))
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
@@ -165,13 +170,13 @@ def training_and_mla_variants():
         for head_dim in (64, 128):
             config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-wgmma-{dtype}-causal1-d{head_dim}",
-                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), BACKWARD_WGMMA_SIGNATURE)
+                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), dense_backward_wgmma_signature(config))
             config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
                    backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
-           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), BACKWARD_WGMMA_SIGNATURE)
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), dense_backward_wgmma_signature(config))
     yield ("backward-dq-rows-bfloat16-d128", dq_rows_kernel(config, "bfloat16", 128),
            (types.Array(types.float32, 3, "A"), _U16))
     yield ("backward-dq-rows-bfloat16-d128-varlen",

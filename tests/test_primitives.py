@@ -155,6 +155,9 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
             assert {"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
                     "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",
                     "setmaxnreg.inc.sync.aligned.u32", "setmaxnreg.dec.sync.aligned.u32"} <= mnemonics, (variant, facts)
+            tensor_copies = {"cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                             "mbarrier.expect_tx.relaxed.cta.shared::cta.b64"}  # dense Q and dO tiles
+            assert (tensor_copies <= mnemonics) == ("varlen" not in variant), (variant, facts)
 
 
 @pytest.mark.gpu

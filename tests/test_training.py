@@ -103,13 +103,16 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
 
 @pytest.mark.parametrize("producer_config", [None, BackwardWgmmaConfig(2, 2, producer=True),
                                              BackwardWgmmaConfig(2, 1, producer=True, stages=3),
-                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=2)],
-                         ids=["computing-warpgroups-copy", "producer", "producer-3-stages", "producer-2-ds-buffers"])
+                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=2),
+                                             BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=2,
+                                                                 tensor_copies=True)],
+                         ids=["computing-warpgroups-copy", "producer", "producer-3-stages", "producer-2-ds-buffers",
+                              "tensor-copies"])
 def test_warpgroup_gradients(producer_config, monkeypatch):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
     query tiles enough to go round the stages, two key blocks, causal with partial tiles; the default
     configuration at head dim 64, and two warpgroups beside a producer at head dim 128, with two stages of
-    query tiles and two dQ buffers or three and one, and with two dS buffers."""
+    query tiles and two dQ buffers or three and one, with two dS buffers, and with Q and dO by tensor copies."""
     import numattn.ops.backward
     from numattn.ops.backward import backward_config
 
@@ -123,13 +126,13 @@ def test_warpgroup_gradients(producer_config, monkeypatch):
 
 
 def test_backward_producer_where_it_fits():
-    """At head dim 128 the wgmma backward's default has a producer warpgroup, three query stages and two dS
-    buffers (with every score modification and packed sequences alike); other head dims have one warpgroup
-    and no producer."""
+    """At head dim 128 the wgmma backward's default has a producer warpgroup, three query stages, two dS
+    buffers and tensor copies (with every score modification and packed sequences alike); other head dims have
+    one warpgroup and no producer."""
     from numattn.configs.backward import choose_backward_wgmma_config
 
     assert choose_backward_wgmma_config(128, 128, 227 * 1024) == BackwardWgmmaConfig(2, 1, producer=True, stages=3,
-                                                                                     ds_stages=2)
+                                                                                     ds_stages=2, tensor_copies=True)
     assert not choose_backward_wgmma_config(64, 64, 227 * 1024).producer
 
 

@@ -31,7 +31,8 @@ from numattn.kernels.ptx import (
     ldmatrix_x4_trans,
     load_l2_f32,
     load_l2_f32x4,
-    mbarrier_arrive_expect_tx,
+    mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_try_wait,
     mma_m16n8k16_bf16,
@@ -363,9 +364,10 @@ def tma_tile_kernel(maps, src, out, b, h, row0):
         mbarrier_init(bars, 1, 128)  # the cp.async copies
     cuda.syncthreads()
     if tid == 0:
-        mbarrier_arrive_expect_tx(bars, 0, TMA_ROWS * TMA_COLS * 2)
+        mbarrier_expect_tx(bars, 0, TMA_ROWS * TMA_COLS * 2)
         for panel in range(TMA_COLS // 64):
             tma_load_box(view, panel * TMA_ROWS, maps, 0, b, h, row0, 64 * panel, bars, 0)
+        mbarrier_arrive(bars, 0)
     _copy_tma_tile(view, TMA_TILE_ROWS, int64(TMA_ROWS), src, b, h, row0, src.shape[2], TMA_COLS)
     cp_async_mbarrier_arrive(bars, 1)
     while not mbarrier_try_wait(bars, 0, 0):

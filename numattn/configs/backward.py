@@ -85,18 +85,21 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
     per thread, and the computing ones take the rest of the register file (``consumer_registers``).
     ``stages``: shared-memory stages of the query tiles (Q, dO and their rows); three only with a producer.
     ``ds_stages``: buffers of the dS tile; with two (only beside a producer) the computing warpgroups meet
-    once per tile instead of twice."""
+    once per tile instead of twice. ``tensor_copies`` (only with a producer): dense sequences' Q and dO
+    tiles come by tensor copies (TMA), one thread issuing a tile's, rather than 16 bytes per ``cp.async``."""
 
     warpgroups: int = 2
     dq_stages: int = 2
     producer: bool = False
     stages: int = 2
     ds_stages: int = 1
+    tensor_copies: bool = False
 
     def __post_init__(self):
         if (self.warpgroups not in (1, 2) or self.dq_stages not in (1, 2) or (self.producer and self.warpgroups != 2)
                 or self.stages not in (2, 3) or (self.stages == 3 and not self.producer)
-                or self.ds_stages not in (1, 2) or (self.ds_stages == 2 and not self.producer)):
+                or self.ds_stages not in (1, 2) or (self.ds_stages == 2 and not self.producer)
+                or (self.tensor_copies and not self.producer)):
             raise ValueError(f"inconsistent wgmma backward configuration {self}")
 
     @property
@@ -145,11 +148,13 @@ def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
     modification and packed sequences take the producer (measured faster: the softcap's and ALiBi's
     backward by 16-17% on an H200, a training step on four packed sequences of 4096 by 17%; three stages
     and one dQ buffer gained up to 4% over two of each on an H100, nothing with a window of 1024 or packed
-    sequences; two dS buffers up to 2% on an H200)."""
+    sequences; two dS buffers up to 2% on an H200). The producer takes dense Q and dO tiles by tensor copies
+    (not yet timed on a GPU)."""
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
     candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     if 2 in groups:
-        candidates[:0] = [BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=ds) for ds in (2, 1)]
+        candidates[:0] = [BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=ds, tensor_copies=True)
+                          for ds in (2, 1)]
     for config in candidates:
         if config.fits(head_dim) and config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes:
             return config

@@ -247,7 +247,7 @@ def backward_mma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_MOD
 
     @cuda.jit(device=True, forceinline=True)
     def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                 cap_slope, seqs):
+                 cap_slope, seqs, maps):  # no tensor copies: maps ()
         b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0 = locate(
             q, k, seqs, BLOCK_N, BLOCK_M, CAUSAL)
         if VARLEN and n0 >= seqlen_kv:

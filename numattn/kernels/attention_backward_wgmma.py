@@ -69,6 +69,7 @@ from .ptx import (
     grow_registers,
     load_l2_f32x4,
     mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
     pack_bf16x2,
@@ -78,6 +79,7 @@ from .ptx import (
     stmatrix_x4,
     stmatrix_x4_trans,
     store_16,
+    tma_load_box,
     wgmma_commit,
     wgmma_descriptor,
     wgmma_fence,
@@ -193,15 +195,29 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     WINDOW, ALIBI = mods.window, mods.alibi
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
     VARLEN = sequences.varlen
+    # dense Q and dO tiles by tensor copies, the first producer thread issuing them: maps[0] is Q's, maps[1] dO's
+    TENSOR_COPIES = config.tensor_copies and not VARLEN
+    QUERY_TILE_BYTES = 2 * BLOCK_M * (D + DV)
     locate = key_block_locator(sequences)
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
 
     @cuda.jit(device=True)
-    def load_query_tile(view, rows_f, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0):
+    def load_query_tile(view, rows_f, bars, stage, q, do, lse2, delta, at, h, m0, q_row0, seqlen_q, rows0, maps):
         """Issue the copies of query tile ``m0`` of head ``h`` (Q and dO rows, rows past the end read 0) and its
-        rows of lse2 and delta (rows from ``q_row0`` and ``rows0`` of ``[at, h]``: ``sequences.py``)."""
-        copy_tile(view, Q_ROW0 + stage * Q_ROWS, int64(BLOCK_M), q, at, h, q_row0 + m0, q_row0 + seqlen_q, D)
-        copy_tile(view, DO_ROW0 + stage * DO_ROWS, int64(BLOCK_M), do, at, h, q_row0 + m0, q_row0 + seqlen_q, DV)
+        rows of lse2 and delta (rows from ``q_row0`` and ``rows0`` of ``[at, h]``: ``sequences.py``); with tensor
+        copies, Q's and dO's land on the stage's FULL barrier (``bars``), a panel of 64 columns per copy."""
+        if TENSOR_COPIES:
+            if cuda.threadIdx.x == CONSUMERS:
+                mbarrier_expect_tx(bars, FULL + stage, QUERY_TILE_BYTES)
+                for p in range(D // 64):
+                    tma_load_box(view, Q_ROW0 + stage * Q_ROWS + p * BLOCK_M, maps, 0, at, h, q_row0 + m0, 64 * p,
+                                 bars, FULL + stage)
+                for p in range(DV // 64):
+                    tma_load_box(view, DO_ROW0 + stage * DO_ROWS + p * BLOCK_M, maps, 1, at, h, q_row0 + m0, 64 * p,
+                                 bars, FULL + stage)
+        else:
+            copy_tile(view, Q_ROW0 + stage * Q_ROWS, int64(BLOCK_M), q, at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+            copy_tile(view, DO_ROW0 + stage * DO_ROWS, int64(BLOCK_M), do, at, h, q_row0 + m0, q_row0 + seqlen_q, DV)
         copy_rows(tile_view(rows_f, stage * 2 * BLOCK_M, 2, BLOCK_M), lse2, delta, at, h, rows0 + m0)
 
     @cuda.jit(device=True, forceinline=True)
@@ -218,7 +234,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
 
     @cuda.jit(device=True, forceinline=True)
     def produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv, m_first, m_tiles,
-                n_iters, q_row0, seqlen_q, rows0):
+                n_iters, q_row0, seqlen_q, rows0, maps):
         """The producer warpgroup's work: K and V, then every query tile (of heads from ``h0``) into its stage once
         the computing warpgroups are done with the stage's previous tile; after that copy is issued, the dQ
         tile the previous tile of the stage staged is added to the accumulator and its buffer given back, so
@@ -233,8 +249,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
             if it < n_iters:  # copy tile it
                 if it >= STAGES:
                     mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # the stage's previous tile is done
-                load_query_tile(view, rows_f, stage, q, do, lse2, delta, at, h0 + head, m_first + m_tile * BLOCK_M,
-                                q_row0, seqlen_q, rows0)
+                load_query_tile(view, rows_f, bars, stage, q, do, lse2, delta, at, h0 + head, m_first + m_tile * BLOCK_M,
+                                q_row0, seqlen_q, rows0, maps)
                 cp_async_mbarrier_arrive(bars, FULL + stage)
                 head, m_tile = next_query_tile(head, m_tile, m_tiles)
                 stage, parity = ring_next(stage, parity, STAGES)
@@ -277,7 +293,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
 
     @cuda.jit(device=True, forceinline=True)
     def backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                 cap_slope, seqs):
+                 cap_slope, seqs, maps):
         b, h_kv, n0, m_first, m_tiles, seqlen_q, seqlen_kv, at, q_row0, k_row0, rows0 = locate(
             q, k, seqs, BLOCK_N, BLOCK_M, CAUSAL)
         if VARLEN and n0 >= seqlen_kv:
@@ -315,14 +331,15 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 shrink_registers(PRODUCER_REGISTERS)
                 if n_iters > 0:
                     produce(view, rows_f, bars, q, k, v, do, lse2, delta, dq, at, h_kv, h0, n0, k_row0, seqlen_kv,
-                            m_first, m_tiles, n_iters, q_row0, seqlen_q, rows0)
+                            m_first, m_tiles, n_iters, q_row0, seqlen_q, rows0, maps)
                 return
             grow_registers(CONSUMER_REGISTERS)
         else:
             copy_tile(view, int64(K_ROW0), int64(BLOCK_N), k, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, D)
             copy_tile(view, int64(V_ROW0), int64(BLOCK_N), v, at, h_kv, k_row0 + n0, k_row0 + seqlen_kv, DV)
             if n_iters > 0:
-                load_query_tile(view, rows_f, int64(0), q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q, rows0)
+                load_query_tile(view, rows_f, bars, int64(0), q, do, lse2, delta, at, h0, m_first, q_row0, seqlen_q,
+                                rows0, maps)
             cp_async_commit()
 
         dk_acc = cuda.local.array((1, DTILES, 4), float32)
@@ -361,8 +378,8 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
                 fence_proxy_async()  # this thread's copies, visible to wgmma
                 cuda.syncthreads()  # every thread's, and every warpgroup is done with tile it - 1 and dS
                 if it + 1 < n_iters:  # into the stage of tile it - 1
-                    load_query_tile(view, rows_f, next_stage, q, do, lse2, delta, at, h0 + next_head,
-                                    m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0)
+                    load_query_tile(view, rows_f, bars, next_stage, q, do, lse2, delta, at, h0 + next_head,
+                                    m_first + next_tile * BLOCK_M, q_row0, seqlen_q, rows0, maps)
                 cp_async_commit()
             tile_offsets[0] = start
             fence_registers(tile_offsets, 1)
@@ -470,7 +487,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         if reducer:
             bulk_wait(0)  # the last reduction is done before the block's shared memory goes
 
-    kernel = backward_kernel(backward, sequences)
+    kernel = backward_kernel(backward, sequences, TENSOR_COPIES)
     if SIMULATOR or not PRODUCER:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)
     return cuda.jit(kernel, max_registers=config.max_registers)

@@ -229,19 +229,25 @@ def forward_kernel(attend, layout, split=False):
     return _named_after(kernel, attend)
 
 
-def backward_kernel(backward, layout):
-    """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences)``: with a varlen
-    ``layout`` it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments."""
+def backward_kernel(backward, layout, tensor_maps=False):
+    """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences, maps)``: with a
+    varlen ``layout`` it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments; with
+    ``tensor_maps`` (dense) the tensor maps of its tensor copies (``maps``, else ``()``)."""
     if layout.varlen:
         def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope, cu_seqlens_q, cu_seqlens_k):
             backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                     cap_slope, (cu_seqlens_q, cu_seqlens_k))
+                     cap_slope, (cu_seqlens_q, cu_seqlens_k), ())
+    elif tensor_maps:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope, maps):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, (), maps)
     else:
         def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope):
             backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
-                     cap_slope, ())
+                     cap_slope, (), ())
     return _named_after(kernel, backward)
 
 

@@ -33,6 +33,7 @@ from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
+from ..kernels.tensor_maps import tile_map
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -84,6 +85,8 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
             + (f" {sequences}" if sequences.varlen else ""))
     offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
     tiled_dq = isinstance(config, BackwardWgmmaConfig)  # dQ added in whole tiles, in fragment order
+    # the tiles kernel's last arguments: the offsets, or with tensor copies the tensor maps of Q and dO
+    tiles_tail = (types.Array(types.uint64, 2, "A"),) if tensor_copies(config, sequences) else offsets
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
@@ -96,7 +99,7 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
     names = ("dkdv", "dq", "rows") if config is None else ("tiles", "rows") + (("dq rows",) if tiled_dq else ())
     labels = {"rows": f"backward rows {what}", "dq": f"backward dq {what}", "dkdv": f"backward dkdv {what}",
               "tiles": f"backward {config} {what}", "dq rows": f"backward dq rows {config} {what}"}
-    tails = {"rows": offsets[:1], "dq rows": offsets[:1]}
+    tails = {"rows": offsets[:1], "dq rows": offsets[:1], "tiles": _MOD_TYPES + tiles_tail}
     return {name: KernelSpec(backward_kernel, (name, dtype, head_dim, head_dim_v, causal, config, mods, sequences),
                              _argtypes(*arrays[name]) + tails.get(name, _MOD_TYPES + offsets), labels[name])
             for name in names}
@@ -105,6 +108,12 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
 # the score modifications' arguments: alibi [B, Hq], sinks [Hq], left, right, cap_log2, cap_slope
 _MOD_TYPES = (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, "A"), types.int64, types.int64,
               types.float32, types.float32)
+
+
+def tensor_copies(config, sequences):
+    """Whether the backward of ``config`` copies dense sequences' Q and dO tiles by tensor copies (TMA), taking
+    their tensor maps (``kernels/tensor_maps.py``) as its last argument."""
+    return isinstance(config, BackwardWgmmaConfig) and config.tensor_copies and not sequences.varlen
 
 
 def _argtypes(arrays, scalars):
@@ -245,9 +254,14 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
+    tail = offsets
+    if tensor_copies(config, layout):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
+        maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x, config.block_m)
+                         for x in (q4, do4)])
+        tail = (torch.from_numpy(maps).to(q.device, non_blocking=True),)
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
-            mods, offsets)
+            mods, tail)
     if not tiled_dq:
         return accumulator.to(q.dtype), dk, dv
     dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written

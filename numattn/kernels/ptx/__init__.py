@@ -28,7 +28,7 @@ from .barriers import (  # noqa: F401
     barrier_sync,
     cp_async_mbarrier_arrive,
     mbarrier_arrive,
-    mbarrier_arrive_expect_tx,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_try_wait,
     mbarrier_wait,

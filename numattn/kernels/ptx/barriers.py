@@ -24,7 +24,7 @@ from .copies import land_async_copies
 
 class _Mbarrier:
     """A phase completes when ``count`` threads have arrived and the transaction count (bytes that
-    ``mbarrier_arrive_expect_tx`` announced, less those tensor copies delivered) is back at zero."""
+    ``mbarrier_expect_tx`` announced, less those tensor copies delivered) is back at zero."""
 
     def __init__(self, count):
         self.count = count
@@ -33,11 +33,14 @@ class _Mbarrier:
         self.phases = 0  # completed phases
         self.changed = threading.Condition()
 
-    def arrive(self, expected_bytes=0):
+    def arrive(self):
         with self.changed:
-            self.transactions += expected_bytes
             self.pending -= 1
             self._complete_if_done()
+
+    def expect_transactions(self, nbytes):
+        with self.changed:
+            self.transactions += nbytes
 
     def complete_transactions(self, nbytes):
         with self.changed:
@@ -74,11 +77,11 @@ def mbarrier_arrive(bars, index):
     _mbarriers()[_mbarrier_key(bars, index)].arrive()
 
 
-def mbarrier_arrive_expect_tx(bars, index, nbytes):
-    """``mbarrier_arrive_expect_tx(bars, i, nbytes)``: this thread arrives at ``bars[i]`` and the phase waits for
-    ``nbytes`` more bytes of tensor copies (``tma.tma_load_box``) to land too
-    (``mbarrier.arrive.expect_tx.shared::cta.b64``)."""
-    _mbarriers()[_mbarrier_key(bars, index)].arrive(int(nbytes))
+def mbarrier_expect_tx(bars, index, nbytes):
+    """``mbarrier_expect_tx(bars, i, nbytes)``: the current phase of ``bars[i]`` waits for ``nbytes`` more bytes of
+    tensor copies (``tma.tma_load_box``) to land, besides its arrivals; issued before the copies, and before this
+    thread's own arrival (``mbarrier.expect_tx.relaxed.cta.shared::cta.b64``)."""
+    _mbarriers()[_mbarrier_key(bars, index)].expect_transactions(int(nbytes))
 
 
 def _complete_transactions(bars, index, nbytes):
@@ -140,8 +143,8 @@ _bind(
     _mbarrier_lowering("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }", "r,~{memory}", ir.VoidType(), False),
 )
 _bind(
-    mbarrier_arrive_expect_tx,
-    _mbarrier_lowering("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}", ir.VoidType(), True),
+    mbarrier_expect_tx,
+    _mbarrier_lowering("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [$0], $1;", "r,r,~{memory}", ir.VoidType(), True),
 )
 _bind(
     cp_async_mbarrier_arrive,

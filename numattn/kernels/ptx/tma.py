@@ -6,7 +6,7 @@ one 128-byte swizzle panel. ``tma_load_box`` copies the box at ``(batch, head, r
 ``box_rows`` consecutive 128-byte rows of a tile view, with the 128-byte swizzle that wgmma reads
 (``tiles.sw128_cell``: chunk ``c`` of view row ``r`` at chunk ``c ^ (r % 8)``, the view 1024-byte
 aligned); elements past the array's ends read 0. The copy engine counts the box's bytes against the
-transaction count of an mbarrier that ``mbarrier_arrive_expect_tx`` announced them to, and the barrier's
+transaction count of an mbarrier that ``mbarrier_expect_tx`` announced them to, and the barrier's
 phase completes once they have landed: one thread issues a tile's copies, no thread computes an address
 per 16 bytes.
 
@@ -33,7 +33,7 @@ def tma_load_box(view, row, maps, map_index, batch, head, first_row, col, bars, 
     swizzled), delivering its bytes to ``bars[i]``.
 
     Emits ``cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes``; one thread
-    issues it, after (or with) an ``mbarrier_arrive_expect_tx`` of the box's bytes.
+    issues it, after an ``mbarrier_expect_tx`` of the box's bytes on the same barrier.
     """
     array, box_rows = SIMULATED_TENSOR_MAPS[int(maps[map_index, 0])]
     batches, heads, rows, cols = array.shape
