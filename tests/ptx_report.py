@@ -110,6 +110,10 @@ def variants():
     kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
                                     sequences=SequenceLayout(sections=True))
     yield "wgmma-bfloat16-causal1-d128-sections", kernel, SIGNATURE[types.uint16]
+    # the producer's copies by TMA, from tensor maps in the kernel's last argument
+    kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
+                                    tensor_copies=True)
+    yield "wgmma-bfloat16-causal1-d128-tensor-copies", kernel, SIGNATURE[types.uint16] + (types.Array(types.uint64, 2, "A"),)
     # every score modification at once: sliding window, softcap, ALiBi, sinks
     for head_dim in (64, 128):
         mma_config = choose_mma_config(head_dim, head_dim, 227 * 1024)

@@ -103,7 +103,7 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 42
+    assert len(results) == 43
     for variant, facts in results.items():
         mnemonics = set(facts["mnemonics"])
         assert facts["f64_ops"] == 0, (variant, facts)
@@ -145,12 +145,16 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
                 "wgmma.fence.sync.aligned",
                 "wgmma.commit_group.sync.aligned",
                 "wgmma.wait_group.sync.aligned",
-                "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
                 "mbarrier.try_wait.parity.shared::cta.b64",
                 "fence.proxy.async.shared::cta",
             } <= mnemonics, (variant, facts)
-            if variant.endswith(("-d128", "-sections")):  # a producer warpgroup hands its registers to the computing ones
+            copies_by_threads = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in mnemonics
+            assert copies_by_threads != variant.endswith("-tensor-copies"), (variant, facts)
+            if variant.endswith(("-d128", "-sections", "-tensor-copies")):  # a producer hands its registers over
                 assert {"setmaxnreg.inc.sync.aligned.u32", "setmaxnreg.dec.sync.aligned.u32"} <= mnemonics, variant
+            tensor_copies = {"cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                             "mbarrier.expect_tx.relaxed.cta.shared::cta.b64"}
+            assert (tensor_copies <= mnemonics) == variant.endswith("-tensor-copies"), (variant, facts)
         if variant.startswith("backward-wgmma"):  # with a producer: copies and dQ tiles handed over by mbarriers
             assert {"wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
                     "cp.async.mbarrier.arrive.noinc.shared::cta.b64", "mbarrier.try_wait.parity.shared::cta.b64",

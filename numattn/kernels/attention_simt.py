@@ -96,7 +96,8 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
     load_tile, load_kv_tile = tile_loader(row_of_batch), tile_loader(source_row(sequences))
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts):
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts,
+               maps):  # no tensor copies: maps ()
         b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
         if VARLEN and m0 < 0:
             return  # past the sequence's rows

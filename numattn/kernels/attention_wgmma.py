@@ -47,12 +47,14 @@ from .ptx import (
     fence_registers,
     grow_registers,
     mbarrier_arrive,
+    mbarrier_expect_tx,
     mbarrier_init,
     mbarrier_wait,
     pack_bf16x2,
     pack_f16x2,
     shrink_registers,
     st_shared_b32,
+    tma_load_box,
     wgmma_commit,
     wgmma_descriptor,
     wgmma_fence,
@@ -72,7 +74,7 @@ _ZERO = np.float32(0.0)
 
 @functools.lru_cache(maxsize=None)
 def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse, aligned_out, split=False,
-                           k_transposed=False, mods=NO_MODS, sequences=DENSE):
+                           k_transposed=False, mods=NO_MODS, sequences=DENSE, tensor_copies=False):
     """Numba kernel ``kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope)``;
     arguments as for the SIMT kernel, the score modifications ``mods`` as ``score_mods.py`` says, the
     sequence layout ``sequences`` (varlen and paged arguments after the others) as ``sequences.py`` says.
@@ -87,6 +89,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     ``k_transposed`` (key tiles in multiples of 64, dense sequences): ``k`` is ``[B, Hkv, D, Skv]`` with the
     keys contiguous (a transposed view of K); its tiles are copied as they lie, a head-dim row of keys per
     tile row, and read as an MN-major operand, as V's are.
+
+    ``tensor_copies`` (a producer, dense sequences, one run of keys, K as it lies): the producer's first thread
+    copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column panel per copy, from the tensor
+    maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and V's of ``block_n``), the kernel's
+    last argument.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
@@ -133,6 +140,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         raise ValueError(f"key splits take a configuration without a producer warpgroup, got {config}")
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
+    TENSOR_COPIES = tensor_copies
+    if TENSOR_COPIES and (not PRODUCER or VARLEN or SPLIT or K_T):
+        raise ValueError(f"tensor copies take a producer, dense sequences, one run of keys and K as it lies, got "
+                         f"{config}, {sequences}, split={split}, k_transposed={k_transposed}")
+    ARRIVALS = 1 if TENSOR_COPIES else COPIERS  # per phase of a FULL or Q_FULL barrier
+    Q_BYTES, KV_BYTES = 2 * BLOCK_M * D, 2 * BLOCK_N * (D + DV)
     locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
@@ -183,6 +196,28 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             stage, parity = ring_next(stage, parity, STAGES)
         cp_async_commit()
         cp_async_wait_group(0)  # the copies land before their threads leave
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_by_tensor_copies(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks):
+        """``produce`` by the producer's first thread alone, with tensor copies: the Q tile's panels, then each
+        K/V tile's into its stage, the bytes announced to the stage's FULL barrier before its copies."""
+        mbarrier_expect_tx(bars, Q_FULL, Q_BYTES)
+        for p in range(D // 64):
+            tma_load_box(view, Q_VIEW_ROW + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, Q_FULL)
+        mbarrier_arrive(bars, Q_FULL)
+        stage, parity = int64(0), int64(0)
+        for j in range(n_blocks):
+            if j >= STAGES:
+                mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
+            mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
+            for p in range(D // 64):
+                tma_load_box(view, K_ROW0 + stage * K_ROWS + p * BLOCK_N, maps, 1, kv_at, h_kv, first + j * BLOCK_N,
+                             64 * p, bars, FULL + stage)
+            for p in range(DV // 64):
+                tma_load_box(view, V_ROW0 + stage * V_ROWS + p * BLOCK_N, maps, 2, kv_at, h_kv, first + j * BLOCK_N,
+                             64 * p, bars, FULL + stage)
+            mbarrier_arrive(bars, FULL + stage)
+            stage, parity = ring_next(stage, parity, STAGES)
 
     @cuda.jit(device=True, forceinline=True)
     def release_stage(bars, acc, j, last_stage):
@@ -239,7 +274,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                         o[b, h, m0 + r, c + e] = view[row, col + e]
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts):
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts, maps):
         b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
         if VARLEN and m0 < 0:
             return  # past the sequence's rows
@@ -266,13 +301,17 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
         if cuda.threadIdx.x == 0:
             for stage in range(STAGES):
-                mbarrier_init(bars, FULL + stage, COPIERS)
+                mbarrier_init(bars, FULL + stage, ARRIVALS)
                 mbarrier_init(bars, EMPTY + stage, CONSUMERS)
-            mbarrier_init(bars, Q_FULL, COPIERS)
+            mbarrier_init(bars, Q_FULL, ARRIVALS)
         cuda.syncthreads()
         if PRODUCER and group == GROUPS:
             shrink_registers(PRODUCER_REGISTERS)
-            if n_blocks > 0:
+            if TENSOR_COPIES:
+                if n_blocks > 0 and cuda.threadIdx.x == CONSUMERS:
+                    produce_by_tensor_copies(view, bars, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
+                                             n_blocks)
+            elif n_blocks > 0:
                 produce(view, bars, q, k, v, q_at, h, q_row0 + m0, q_row0 + seqlen_q, kv_at, h_kv, k_row0 + first,
                         k_row0 + seqlen_kv, n_blocks)
             return
@@ -365,7 +404,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         else:
             store(o, acc, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
 
-    kernel = forward_kernel(attend, sequences, split)
+    kernel = forward_kernel(attend, sequences, split, TENSOR_COPIES)
 
     if SIMULATOR:  # the simulator's jit takes no register limit
         return cuda.jit(kernel)

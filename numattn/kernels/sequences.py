@@ -203,29 +203,33 @@ def key_block_locator(layout):
     return locate
 
 
-def forward_kernel(attend, layout, split=False):
+def forward_kernel(attend, layout, split=False, tensor_maps=False):
     """The kernel function of a forward's body ``attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right,
-    cap_log2, cap_slope, sequences, parts)``: with a varlen ``layout`` it takes the four arrays of the module
+    cap_log2, cap_slope, sequences, parts, maps)``: with a varlen ``layout`` it takes the four arrays of the module
     docstring after the other arguments (``sequences``, else ``()``); with ``split`` (a launch whose blocks split
-    the keys) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else ``()``)."""
+    the keys) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else ``()``); with
+    ``tensor_maps`` (dense, one run of keys) the tensor maps of its tensor copies last (``maps``, else ``()``)."""
     if split and layout.varlen:
         def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), (o_part, lse_part, counters))
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), (o_part, lse_part, counters), ())
     elif split:
         def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (),
-                   (o_part, lse_part, counters))
+                   (o_part, lse_part, counters), ())
     elif layout.varlen:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
                    cu_seqlens_k, seqused_k, page_table):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
-                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), ())
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), (), ())
+    elif tensor_maps:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, maps):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (), (), maps)
     else:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope):
-            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (), ())
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (), (), ())
     return _named_after(kernel, attend)
 
 

@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from .._cuda import SIMULATOR
+from .._cuda import SIMULATOR, cuda
 from .ptx.tma import PANEL_COLUMNS, SIMULATED_TENSOR_MAPS
 
 MAP_WORDS = 16  # 64-bit words of a tensor map
@@ -24,9 +24,8 @@ def tile_map(array, box_rows):
     """The tensor map (``uint64 [MAP_WORDS]``) of ``array`` — a 4-D array of 16-bit values on the GPU (any
     object with ``__cuda_array_interface__``: a torch CUDA tensor, a numba device array) — for boxes of
     ``box_rows`` rows of 64 columns. ValueError for an array a tensor map cannot describe."""
-    if not 1 <= box_rows <= MAX_BOX_ROWS:
-        raise ValueError(f"box_rows must be in [1, {MAX_BOX_ROWS}], got {box_rows}")
     if SIMULATOR:
+        _check_box(box_rows)
         if np.dtype(array.dtype).itemsize != 2 or len(array.shape) != 4:
             raise ValueError(f"a tensor map describes a 4-D array of 16-bit values, got {array.dtype} {array.shape}")
         key = next(_simulated_keys)
@@ -38,7 +37,15 @@ def tile_map(array, box_rows):
     strides = interface.get("strides") or tuple(int(np.prod(shape[axis + 1:])) * itemsize for axis in range(len(shape)))
     if itemsize != 2 or len(shape) != 4:
         raise ValueError(f"a tensor map describes a 4-D array of 16-bit values, got {interface['typestr']} {shape}")
-    if strides[3] != itemsize or pointer % 16 or any(stride % 16 for stride in strides[:3]):
+    return encode_tile_map(pointer, shape, strides, box_rows)
+
+
+def encode_tile_map(pointer, shape, strides, box_rows):
+    """The tensor map (``uint64 [MAP_WORDS]``) of the 4-D array of 16-bit values at device address ``pointer``
+    with ``shape`` and byte ``strides``, for boxes of ``box_rows`` rows of 64 columns (the CUDA driver's
+    encoding; ValueError for an array a tensor map cannot describe)."""
+    _check_box(box_rows)
+    if strides[3] != 2 or pointer % 16 or any(stride % 16 for stride in strides[:3]):
         raise ValueError(f"a tensor map needs contiguous columns and 16-byte aligned rows, got strides {strides} "
                          f"at address {pointer:#x}")
     from cuda.bindings import driver
@@ -56,3 +63,45 @@ def tile_map(array, box_rows):
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))[0]
     return np.array([int(word) for word in tensor_map.opaque], dtype=np.uint64)
+
+
+def forget(maps):
+    """In the simulator, drop the arrays that the tensor maps ``maps`` (rows of ``MAP_WORDS`` words) registered,
+    once the launch that reads them has run."""
+    if SIMULATOR:
+        for key in np.asarray(maps).reshape(-1, MAP_WORDS)[:, 0]:
+            SIMULATED_TENSOR_MAPS.pop(int(key), None)
+
+
+def _check_box(box_rows):
+    if not 1 <= box_rows <= MAX_BOX_ROWS:
+        raise ValueError(f"box_rows must be in [1, {MAX_BOX_ROWS}], got {box_rows}")
+
+
+class TensorMapCache:
+    """The tensor maps of a launch's operands on GPU ``device``, by the operands' data pointers: the operands of
+    a launch plan (fixed shapes and strides, ``layouts``: ``(shape, byte strides, box rows)`` of each), whose
+    pointers recur from call to call, find their maps encoded and copied once; after ``ENTRIES`` sets of
+    pointers it starts afresh."""
+
+    ENTRIES = 64
+
+    def __init__(self, device, layouts):
+        self.device, self.layouts = device, tuple(layouts)
+        self.entries = {}
+
+    def maps(self, *pointers):
+        """The ``[operands, MAP_WORDS]`` maps of the operands at ``pointers``, a device array."""
+        entry = self.entries.get(pointers)
+        if entry is None:
+            if len(self.entries) >= self.ENTRIES:
+                self.entries.clear()
+            maps = np.stack([encode_tile_map(pointer, shape, strides, rows)
+                             for pointer, (shape, strides, rows) in zip(pointers, self.layouts, strict=True)])
+            with cuda.gpus[self.device]:
+                entry = self.entries[pointers] = cuda.to_device(maps)
+        return entry
+
+    def pointer(self, *pointers):
+        """The device address of ``maps(*pointers)``."""
+        return self.maps(*pointers).device_ctypes_pointer.value

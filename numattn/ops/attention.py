@@ -44,10 +44,11 @@ from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.sequences import DENSE_IN_SECTIONS
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
+from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, tile_map
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .checks import host_values
-from .plans import PLANS, LaunchPlan, array_signature, on_device, records_grad, tensor_pointer
+from .plans import PLANS, LaunchPlan, array_pointer, array_signature, on_device, records_grad, tensor_pointer
 from .score_mods import NO_OPTIONS, ScoreOptions, options_key, score_options, window_side_types
 from .workspace import WorkspaceLayout
 
@@ -288,6 +289,7 @@ class _Kernel(NamedTuple):
     splits: int
     cluster: tuple | None
     k_transposed: bool
+    tensor_copies: bool
 
 
 def _attention_kernel(p, device, config=None, splits=1):
@@ -322,7 +324,10 @@ def _attention_kernel(p, device, config=None, splits=1):
         raise ValueError(f"problem too large: {blocks} thread blocks exceed the grid limit")
     flags = {}
     if kind is WgmmaConfig:
-        flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads}
+        flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads,
+                 # the producer's copies by TMA: dense sequences, one run of keys, K as it lies
+                 "tensor_copies": (config.producer and p.sequences is None and splits == 1
+                                   and not p.transposed_k_loads)}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": p.sequences is None and cluster_merges(blocks, splits, limits)}
@@ -342,7 +347,7 @@ def _attention_kernel(p, device, config=None, splits=1):
              + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
              + (f" {flags['sequences']}" if "sequences" in flags else ""))
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
-                   config, splits, cluster, flags.get("k_transposed", False))
+                   config, splits, cluster, flags.get("k_transposed", False), flags.get("tensor_copies", False))
 
 
 def _swap_last(values):
@@ -375,6 +380,8 @@ class _DevicePlan(LaunchPlan):
         argtypes += (f32, types.Array(f32, 2, "A"), types.Array(f32, 1, "A"), types.int64, types.int64, f32, f32)
         if p.sequences is not None:
             argtypes += p.sequences.argtypes
+        if chosen.tensor_copies:
+            argtypes += (types.Array(types.uint64, 2, "A"),)  # the tensor maps of Q, K and V
         kernel = compiled(chosen.dispatcher, argtypes, p.device, chosen.shared_bytes, chosen.label)
 
         itemsize = storage_dtype(p.dtype).itemsize
@@ -399,12 +406,27 @@ class _DevicePlan(LaunchPlan):
             sequence_fields, sequence_slots = array_fields(p.sequences.arrays())
             slots[5:5] = [len(fields) + slot for slot in sequence_slots]
             fields += sequence_fields
+        self.tensor_maps = None
+        if chosen.tensor_copies:  # boxes of a query tile's rows of Q, of a key tile's of K and V
+            map_fields, map_slots = array_fields([((3, MAP_WORDS), (MAP_WORDS, 1), 8)])
+            slots[5:5] = [len(fields) + slot for slot in map_slots]
+            fields += map_fields
+            rows = (chosen.config.block_m, chosen.config.block_n, chosen.config.block_n)
+            self.tensor_maps = TensorMapCache(p.device, (
+                (shape, tuple(stride * size for stride in strides), n)
+                for (shape, strides, size), n in zip(arrays[:3], rows, strict=True)))
         # (stream, q, k, v, alibi, sinks, out, lse); with splits (..., part, part_lse, counters); varlen
-        # (stream, q, k, v, alibi, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out, lse)
+        # (stream, q, k, v, alibi, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out, lse); with tensor
+        # copies (stream, q, k, v, alibi, sinks, maps, out, lse)
         self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
+    def maps_pointer(self, q, k, v):
+        """``()``, or with tensor copies the device address of the tensor maps of Q, K and V at these addresses."""
+        return () if self.tensor_maps is None else (self.tensor_maps.pointer(q, k, v),)
+
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
-        return self.run_device_arrays((q, k, v, alibi, sinks, *sequences), out)
+        maps = () if self.tensor_maps is None else (self.tensor_maps.maps(*(array_pointer(x) for x in (q, k, v))),)
+        return self.run_device_arrays((q, k, v, alibi, sinks, *sequences, *maps), out)
 
 
 class _TorchPlan(_DevicePlan):
@@ -415,13 +437,14 @@ class _TorchPlan(_DevicePlan):
         self.run = self.torch_runner()
 
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
-        return self.run(out, q.data_ptr(), k.data_ptr(), v.data_ptr(), tensor_pointer(alibi), tensor_pointer(sinks),
-                        *map(tensor_pointer, sequences))
+        q, k, v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        return self.run(out, q, k, v, tensor_pointer(alibi), tensor_pointer(sinks), *map(tensor_pointer, sequences),
+                        *self.maps_pointer(q, k, v))
 
     def on_pointers(self, out, q, k, v, alibi=0, sinks=0, *sequences):
         """The call on data pointers the caller holds already (0 for an absent ALiBi or sinks array);
         ``out`` a torch tensor or None."""
-        return self.run(out, q, k, v, alibi, sinks, *sequences)
+        return self.run(out, q, k, v, alibi, sinks, *sequences, *self.maps_pointer(q, k, v))
 
 
 class _HostPlan:
@@ -460,7 +483,7 @@ class _NoGpuPlan:
         chosen = _attention_kernel(p, 0, config, splits)
         self.grid, self.block, self.config = chosen.grid, chosen.threads, chosen.config
         self.kernel = compiled(chosen.dispatcher, None, 0, chosen.shared_bytes, chosen.label)
-        self.k_transposed = chosen.k_transposed
+        self.k_transposed, self.tensor_copies = chosen.k_transposed, chosen.tensor_copies
         self.problem, self.splits = p, chosen.splits
         self.split_shapes = _split_shapes(p, self.grid, chosen.splits)
 
@@ -499,8 +522,14 @@ class _NoGpuPlan:
             part_shape, part_lse_shape, counter_shape = self.split_shapes
             splits = [np.empty(part_shape, np.float32), np.empty(part_lse_shape, np.float32),
                       np.zeros(counter_shape, np.int32)]
+        maps = ()
+        if self.tensor_copies:  # boxes of a query tile's rows of Q, of a key tile's of K and V
+            rows = (self.config.block_m, self.config.block_n, self.config.block_n)
+            maps = (np.stack([tile_map(x, n) for x, n in zip((q, k, v), rows, strict=True)]),)
         self.kernel.launch_arrays(self.grid, self.block, q, k, v, o_view, lse_view, *splits,
-                                  np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars(), *sequences)
+                                  np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars(), *sequences, *maps)
+        for launched in maps:
+            forget(launched)
         return o, lse
 
 

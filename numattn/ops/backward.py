@@ -33,7 +33,7 @@ from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
-from ..kernels.tensor_maps import tile_map
+from ..kernels.tensor_maps import forget, tile_map
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -254,7 +254,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
-    tail = offsets
+    maps, tail = None, offsets
     if tensor_copies(config, layout):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
         maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x, config.block_m)
                          for x in (q4, do4)])
@@ -262,6 +262,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
             mods, tail)
+    if maps is not None:
+        forget(maps)
     if not tiled_dq:
         return accumulator.to(q.dtype), dk, dv
     dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
