@@ -486,7 +486,8 @@ def test_tensor_copies_place_rows_as_the_tile_copier_does(rng, where):
     rows[:36] = src[1, 2, 64:]
     for r in range(TMA_ROWS):
         for c in range(0, 128, 8):
-            row, col = sw128_cell(0, TMA_ROWS, r, c)
+            # the 64-column panel, then the 16-byte chunk ``c // 8 % 8`` at ``(c // 8 % 8) ^ (r % 8)``
+            row, col = c // 64 * TMA_ROWS + r, ((c % 64 // 8) ^ (r % 8)) * 8
             assert np.array_equal(out[row, col:col + 8], rows[r, c:c + 8]), (r, c)
 
 

@@ -149,7 +149,8 @@ def choose_backward_wgmma_config(head_dim, head_dim_v, max_shared_bytes):
     backward by 16-17% on an H200, a training step on four packed sequences of 4096 by 17%; three stages
     and one dQ buffer gained up to 4% over two of each on an H100, nothing with a window of 1024 or packed
     sequences; two dS buffers up to 2% on an H200). The producer takes dense Q and dO tiles by tensor copies
-    (not yet timed on a GPU)."""
+    (a training step 0.95-0.96 of the time with them and the forward's, H200, B4 H32 L4096 D128 causal, B4 H16
+    L8192 window 1024 or ALiBi)."""
     groups = (2, 1) if max(head_dim, head_dim_v) <= 128 else (1,)
     candidates = [BackwardWgmmaConfig(g, dq) for g in groups for dq in (2, 1)]
     if 2 in groups:

@@ -256,7 +256,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     maps, tail = None, offsets
     if tensor_copies(config, layout):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
-        maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x, config.block_m)
+        maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x.detach(), config.block_m)
                          for x in (q4, do4)])
         tail = (torch.from_numpy(maps).to(q.device, non_blocking=True),)
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
