@@ -29,17 +29,17 @@ BLOCK = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end generated --
 # the results file (in benchmarks/results/, without .json) that feeds each generated block: for each
 # section the most recent run that covers it
 SOURCES = {
-    "attention": "bench-h200-2026-11-27",
+    "attention": "bench-h200-2026-11-28b",
     "decode-h200": "bench-h200-2026-11-24d",
     "decode-h100": "bench-h100-2026-11-24f",
     "mla": "bench-h100-2026-11-24c",
-    "training": "bench-h200-2026-11-28",
+    "training": "bench-h200-2026-11-28c",
     "graph": "graph-h200-2026-11-27c",
     "checked": "bench-h200-2026-11-26",
     "cold-start": "coldstart-h200-2026-11-27d",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h200-2026-11-28",
+    "variants": "variants-h200-2026-11-28b",
     "varlen": "varlen-h200-2026-11-27b",
 }
 
