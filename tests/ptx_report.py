@@ -131,6 +131,11 @@ def variants():
     yield "wgmma-bfloat16-causal1-d128-varlen", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
     kernel = wgmma_attention_kernel(config, "bfloat16", 128, 128, True, True, True, sequences=paged)
     yield "wgmma-bfloat16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE
+    # packed sequences take the dense tiles and the producer's tensor copies
+    kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
+                                    sequences=packed, tensor_copies=True)
+    yield ("wgmma-bfloat16-causal1-d128-varlen-tensor-copies", kernel,
+           SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE + (types.Array(types.uint64, 2, "A"),))
     kernel = mma_attention_kernel(choose_mma_config(128, 128, 227 * 1024), "float16", 128, 128, True, True,
                                   sequences=paged)
     yield "mma-float16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE

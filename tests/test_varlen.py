@@ -486,3 +486,37 @@ def test_gradients_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim
             low_error = (plain.double() - want).abs().max().item()
             assert error <= 2 * low_error + 1e-3 * (1 + want.abs().max().item()), (options, name, error, low_error)
         assert (sink.grad.cpu().double() - expected[4]).abs().max().item() <= 1e-2 * (1 + expected[4].abs().max())
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where):
+    """The producer's tensor copies over packed sequences: a key tile that runs past its sequence's keys is
+    copied with zeros past them, so NaN keys and values of a sequence without queries leave the outputs of the
+    sequences beside it finite and right (causal and not; an empty sequence, one of a single key, and one
+    whose last tile takes a stage for the third time: the producer's threads wait for it in turn)."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numattn.configs.attention import WgmmaConfig
+    from numattn.ops.attention import make_plan
+    from numattn.ops.varlen import validate_varlen
+
+    if where == "sim":  # small tiles simulate in reasonable time
+        config, dtype, head_dim, lengths_q, lengths_k = (WgmmaConfig(block_n=16, warpgroups=1, stages=2, producer=True),
+                                                         "float16", 64, [3, 0, 19, 1], [4, 3, 90, 1])
+    else:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("tensor copies need sm_90")
+        config, dtype, head_dim, lengths_q, lengths_k = (WgmmaConfig(128, 2, 3, producer=True), "bfloat16", 128,
+                                                         [100, 0, 300, 1], [130, 7, 1000, 1])
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, head_dim)
+    q, k, v = as_dtype([q, k, v], dtype)
+    k[cu_k[1]:cu_k[2]], v[cu_k[1]:cu_k[2]] = np.nan, np.nan  # sequence 1: keys, no queries
+    for causal in (False, True):
+        problem = validate_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), None, causal, None, True,
+                                  None, None, None, None, None, None)
+        plan = make_plan(problem, config)
+        assert plan.tensor_copies if where == "sim" else plan.device_plan.tensor_maps is not None
+        o, lse = plan(q, k, v, None, None, None, cu_q, cu_k, None, None)
+        assert np.isfinite(reference.to_float64(o)).all(), causal
+        check(o, lse, ATOL[dtype], q, k, v, cu_q, cu_k, causal=causal)

@@ -224,14 +224,15 @@ class WgmmaConfig(registers.WarpgroupBlock):
 # more; with two (255), 254 without spilling and 281 spilled 184 bytes.
 REGISTER_SLACK = 12
 PRODUCER_REGISTERS = 56  # per thread of a wgmma kernel's copying warpgroup
-# Registers a kernel of packed or paged sequences (``kernels/sequences.py``) asks for beyond the estimate:
-# ptxas counts rose by 10 to 17 over the dense kernel's (head dims 64, 128, 256, the candidates below,
-# unconstrained). With this many the dense kernel's tiles are kept at head dims 64 and 256 and the producer
-# dropped at 128 (B8 L2048 Hq32 Hkv8 causal, 2026-11-28): at 64 the 96-key tiles spill 36/96 bytes (packed)
-# and 40/100 (paged) yet took 0.85 and 0.77 of the time of the 64-key tiles that 28 registers chose (H200,
-# fp16); at 256 the 48-key tiles compile to 249 registers without spilling and took 0.95 of the time of the
-# 32-key tiles packed, 1.01 paged (H100, bf16); at 128 the producer's copying warpgroup spills 216/352 bytes
-# and gained nothing (H200, bf16: packed 0.995 of the time, paged 1.31).
+# Registers a kernel of paged sequences (``kernels/sequences.py``) asks for beyond the estimate: ptxas counts
+# rose by 10 to 17 over the dense kernel's (head dims 64, 128, 256, the candidates below, unconstrained). With
+# this many the dense kernel's tiles are kept at head dims 64 and 256 and the producer dropped at 128 (B8 L2048
+# Hq32 Hkv8 causal, 2026-11-28): at 64 the 96-key tiles spill 40/100 bytes yet took 0.77 of the time of the
+# 64-key tiles that 28 registers chose (H200, fp16); at 256 the 48-key tiles compile to 249 registers without
+# spilling and took 1.01 of the time of the 32-key tiles (H100, bf16); at 128 the producer's copying warpgroup
+# spills 216/352 bytes (H200, bf16: 1.31 of the time). Packed sequences take the dense kernel's tiles: with
+# 13 registers more they did at 64 and 256 too, and at 128 their producer copies by TMA, which spills only in
+# the copies of a sequence's last key tile (40/80 bytes, bf16, causal).
 SEQUENCES_REGISTERS = 13
 
 
@@ -313,7 +314,7 @@ def default_config(p, limits):
     mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
     kinds = fitting_kernels(p, limits)
     if kinds[0] is WgmmaConfig and not SIMULATOR:
-        extra = SEQUENCES_REGISTERS if p.sequences is not None else 0
+        extra = SEQUENCES_REGISTERS if p.sequences is not None and p.sequences.layout.paged else 0
         return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"], extra, p.options.mods)
     if MmaConfig in kinds:
         config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)

@@ -90,10 +90,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     keys contiguous (a transposed view of K); its tiles are copied as they lie, a head-dim row of keys per
     tile row, and read as an MN-major operand, as V's are.
 
-    ``tensor_copies`` (a producer, dense sequences, one run of keys, K as it lies): the producer's first thread
-    copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column panel per copy, from the tensor
-    maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and V's of ``block_n``), the kernel's
-    last argument.
+    ``tensor_copies`` (a producer, dense or packed sequences, one run of keys, K as it lies): the producer's first
+    thread copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column panel per copy, from the
+    tensor maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and V's of ``block_n``), the
+    kernel's last argument. A packed sequence's last K/V tile, when it runs past the sequence's keys, is copied
+    by the whole producer warpgroup with ``cp.async``, whose rows past the end read 0: a box would read the next
+    sequence's rows, and a value there that is not finite would turn this sequence's ``0 · V`` into NaN.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
@@ -131,6 +133,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
     STAGED = DV <= D  # the output tile goes out through the warpgroup's Q rows in shared memory
     STAGED_BARRIER = TURN + GROUPS  # named barriers STAGED_BARRIER + w: warpgroup w's output tile is staged
+    TAIL_COPIED = STAGED_BARRIER + GROUPS  # named barrier: the producer's copies of a packed sequence's last tile landed
     OUT_CHUNKS = DV // 8  # 16-byte chunks per output row
     ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
@@ -141,9 +144,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
     TENSOR_COPIES = tensor_copies
-    if TENSOR_COPIES and (not PRODUCER or VARLEN or SPLIT or K_T):
-        raise ValueError(f"tensor copies take a producer, dense sequences, one run of keys and K as it lies, got "
-                         f"{config}, {sequences}, split={split}, k_transposed={k_transposed}")
+    if TENSOR_COPIES and (not PRODUCER or sequences.paged or SPLIT or K_T):
+        raise ValueError(f"tensor copies take a producer, dense or packed sequences, one run of keys and K as it "
+                         f"lies, got {config}, {sequences}, split={split}, k_transposed={k_transposed}")
     ARRIVALS = 1 if TENSOR_COPIES else COPIERS  # per phase of a FULL or Q_FULL barrier
     Q_BYTES, KV_BYTES = 2 * BLOCK_M * D, 2 * BLOCK_N * (D + DV)
     locate = block_locator(sequences)
@@ -198,9 +201,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         cp_async_wait_group(0)  # the copies land before their threads leave
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_by_tensor_copies(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks):
-        """``produce`` by the producer's first thread alone, with tensor copies: the Q tile's panels, then each
-        K/V tile's into its stage, the bytes announced to the stage's FULL barrier before its copies."""
+    def produce_boxes(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks):
+        """The tensor copies of the Q tile and of the first ``n_blocks`` K/V tiles, by one thread."""
         mbarrier_expect_tx(bars, Q_FULL, Q_BYTES)
         for p in range(D // 64):
             tma_load_box(view, Q_VIEW_ROW + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, Q_FULL)
@@ -218,6 +220,33 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                              64 * p, bars, FULL + stage)
             mbarrier_arrive(bars, FULL + stage)
             stage, parity = ring_next(stage, parity, STAGES)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks):
+        """``produce`` with tensor copies by the producer's first thread: the Q tile's panels, then each K/V tile's
+        into its stage, the bytes announced to the stage's FULL barrier before its copies; a packed sequence's
+        last tile, when it runs past ``nkeys``, by every producer thread's ``cp.async`` copies."""
+        leader = cuda.threadIdx.x == CONSUMERS
+        tail = VARLEN and first + n_blocks * BLOCK_N > nkeys
+        if leader:
+            produce_boxes(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks - 1 if tail else n_blocks)
+        if tail:
+            j = n_blocks - 1
+            stage = j % STAGES
+            if leader and j >= STAGES:
+                # the leader saw each earlier use of the stage end in turn; a parity names one of only two phases,
+                # so a thread that did not could take an older phase's completion for this one
+                mbarrier_wait(bars, EMPTY + stage, ((j // STAGES) % 2) ^ 1)
+            barrier_sync(TAIL_COPIED, 128)  # the stage is free for every producer thread
+            load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, int64(BLOCK_N), k, kv_at, h_kv, first + j * BLOCK_N, nkeys,
+                               D)
+            load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, int64(BLOCK_N), v, kv_at, h_kv, first + j * BLOCK_N, nkeys,
+                               DV)
+            cp_async_commit()
+            cp_async_wait_group(0)
+            barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival
+            if leader:
+                mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
     def release_stage(bars, acc, j, last_stage):
@@ -308,9 +337,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         if PRODUCER and group == GROUPS:
             shrink_registers(PRODUCER_REGISTERS)
             if TENSOR_COPIES:
-                if n_blocks > 0 and cuda.threadIdx.x == CONSUMERS:
-                    produce_by_tensor_copies(view, bars, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
-                                             n_blocks)
+                if n_blocks > 0:
+                    produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
+                                             k_row0 + seqlen_kv, n_blocks)
             elif n_blocks > 0:
                 produce(view, bars, q, k, v, q_at, h, q_row0 + m0, q_row0 + seqlen_q, kv_at, h_kv, k_row0 + first,
                         k_row0 + seqlen_kv, n_blocks)

@@ -208,7 +208,7 @@ def forward_kernel(attend, layout, split=False, tensor_maps=False):
     cap_log2, cap_slope, sequences, parts, maps)``: with a varlen ``layout`` it takes the four arrays of the module
     docstring after the other arguments (``sequences``, else ``()``); with ``split`` (a launch whose blocks split
     the keys) the workspace ``o_part, lse_part, counters`` after ``lse`` (``parts``, else ``()``); with
-    ``tensor_maps`` (dense, one run of keys) the tensor maps of its tensor copies last (``maps``, else ``()``)."""
+    ``tensor_maps`` (one run of keys) the tensor maps of its tensor copies last (``maps``, else ``()``)."""
     if split and layout.varlen:
         def kernel(q, k, v, o, lse, o_part, lse_part, counters, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table):
@@ -219,6 +219,11 @@ def forward_kernel(attend, layout, split=False, tensor_maps=False):
                    cap_slope):
             attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, (),
                    (o_part, lse_part, counters), ())
+    elif layout.varlen and tensor_maps:
+        def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
+                   cu_seqlens_k, seqused_k, page_table, maps):
+            attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope,
+                   (cu_seqlens_q, cu_seqlens_k, seqused_k, page_table), (), maps)
     elif layout.varlen:
         def kernel(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, cu_seqlens_q,
                    cu_seqlens_k, seqused_k, page_table):

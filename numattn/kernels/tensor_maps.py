@@ -45,6 +45,9 @@ def encode_tile_map(pointer, shape, strides, box_rows):
     with ``shape`` and byte ``strides``, for boxes of ``box_rows`` rows of 64 columns (the CUDA driver's
     encoding; ValueError for an array a tensor map cannot describe)."""
     _check_box(box_rows)
+    # an axis of extent 1 (a packed layout's leading axis, stride 0) takes no step: give it the array's span
+    span = max(stride * n for stride, n in zip(strides, shape, strict=True))
+    strides = tuple(stride if n > 1 else span for stride, n in zip(strides, shape, strict=True))
     if strides[3] != 2 or pointer % 16 or any(stride % 16 for stride in strides[:3]):
         raise ValueError(f"a tensor map needs contiguous columns and 16-byte aligned rows, got strides {strides} "
                          f"at address {pointer:#x}")

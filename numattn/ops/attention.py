@@ -325,9 +325,9 @@ def _attention_kernel(p, device, config=None, splits=1):
     flags = {}
     if kind is WgmmaConfig:
         flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads,
-                 # the producer's copies by TMA: dense sequences, one run of keys, K as it lies
-                 "tensor_copies": (config.producer and p.sequences is None and splits == 1
-                                   and not p.transposed_k_loads)}
+                 # the producer's copies by TMA: dense or packed sequences, one run of keys, K as it lies
+                 "tensor_copies": (config.producer and (p.sequences is None or not p.sequences.layout.paged)
+                                   and splits == 1 and not p.transposed_k_loads)}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": p.sequences is None and cluster_merges(blocks, splits, limits)}
@@ -402,6 +402,7 @@ class _DevicePlan(LaunchPlan):
         mod_fields, mod_slots = array_fields(p.options.arrays(p.batch, p.heads_q))
         slots[3:3] = [len(fields) + slot for slot in mod_slots]
         fields += mod_fields + p.options.scalars()
+        sequence_slots = []
         if p.sequences is not None:
             sequence_fields, sequence_slots = array_fields(p.sequences.arrays())
             slots[5:5] = [len(fields) + slot for slot in sequence_slots]
@@ -409,7 +410,8 @@ class _DevicePlan(LaunchPlan):
         self.tensor_maps = None
         if chosen.tensor_copies:  # boxes of a query tile's rows of Q, of a key tile's of K and V
             map_fields, map_slots = array_fields([((3, MAP_WORDS), (MAP_WORDS, 1), 8)])
-            slots[5:5] = [len(fields) + slot for slot in map_slots]
+            at = 5 + len(sequence_slots)
+            slots[at:at] = [len(fields) + slot for slot in map_slots]
             fields += map_fields
             rows = (chosen.config.block_m, chosen.config.block_n, chosen.config.block_n)
             self.tensor_maps = TensorMapCache(p.device, (
@@ -417,7 +419,7 @@ class _DevicePlan(LaunchPlan):
                 for (shape, strides, size), n in zip(arrays[:3], rows, strict=True)))
         # (stream, q, k, v, alibi, sinks, out, lse); with splits (..., part, part_lse, counters); varlen
         # (stream, q, k, v, alibi, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out, lse); with tensor
-        # copies (stream, q, k, v, alibi, sinks, maps, out, lse)
+        # copies the maps after sinks and the varlen arrays (stream, q, k, v, alibi, sinks, [...,] maps, out, lse)
         self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
     def maps_pointer(self, q, k, v):
