@@ -40,7 +40,7 @@ SOURCES = {
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h200-2026-11-28b",
-    "varlen": "varlen-h200-2026-11-27b",
+    "varlen": "varlen-h200-2026-11-28",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
