@@ -252,6 +252,29 @@ def test_key_splits_offered_to_the_tensor_core_kernels():
         _attention_kernel(problem, 0, WgmmaConfig(128, 2, 3, producer=True), 2)
 
 
+def test_tensor_copies_where_a_map_describes_the_operands():
+    """A producer's copies go by tensor maps for dense or packed operands, but not for operands repeated by
+    ``expand`` (a stride of 0), which a map cannot step along: those take ``cp.async``, and a broadcast output
+    gradient is copied to contiguous rows for the backward's maps."""
+    torch = pytest.importorskip("torch")
+    from numattn.kernels.tensor_maps import encode_tile_map
+    from numattn.ops.attention import _attention_kernel, validate
+    from numattn.ops.backward import _copyable_rows
+
+    producer = WgmmaConfig(128, 2, 3, producer=True)
+    q = np.ones((2, 4, 256, 128), np.float16)
+    keys = np.ones((1, 4, 256, 128), np.float16)
+    repeated = np.broadcast_to(keys, (2, 4, 256, 128))
+    for k, mappable in ((q, True), (repeated, False)):
+        problem = validate(q, k, k, None, True, None, "bhsd", False)
+        assert problem.tensor_mappable == mappable
+        assert _attention_kernel(problem, 0, producer, 1).tensor_copies == mappable
+    with pytest.raises(ValueError, match="a tensor map cannot repeat rows"):
+        encode_tile_map(0, (2, 4, 256, 128), (0, 256 * 256, 256, 2), 128)
+    grad = torch.ones(128, dtype=torch.bfloat16).expand(2, 4, 256, 128)
+    assert _copyable_rows(grad).is_contiguous() and not grad.is_contiguous()
+
+
 def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
     """K stored transposed (keys contiguous) takes the mma.sync kernel by default and offers tuners the wgmma
     one on sm_90, with key tiles in multiples of 64 (a head-dim row of keys per 128-byte swizzle panel)."""

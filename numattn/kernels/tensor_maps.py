@@ -45,6 +45,9 @@ def encode_tile_map(pointer, shape, strides, box_rows):
     with ``shape`` and byte ``strides``, for boxes of ``box_rows`` rows of 64 columns (the CUDA driver's
     encoding; ValueError for an array a tensor map cannot describe)."""
     _check_box(box_rows)
+    if any(stride == 0 and n > 1 for stride, n in zip(strides, shape, strict=True)):
+        raise ValueError(f"a tensor map cannot repeat rows (a stride of 0 over more than one element), got shape "
+                         f"{shape}, strides {strides}")
     # an axis of extent 1 (a packed layout's leading axis, stride 0) takes no step: give it the array's span
     span = max(stride * n for stride, n in zip(strides, shape, strict=True))
     strides = tuple(stride if n > 1 else span for stride, n in zip(strides, shape, strict=True))

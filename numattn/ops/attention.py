@@ -137,6 +137,13 @@ class Problem:
         return all(self._copies_16_bytes(op, 3) for op in (self.q, self.k, self.v))
 
     @property
+    def tensor_mappable(self):
+        """Whether tensor maps describe q, k and v: no axis of more than one element repeats (a stride of 0, as
+        ``expand`` gives), which a map cannot step along."""
+        return all(stride or n == 1 for op in (self.q, self.k, self.v) for stride, n in zip(op.strides, op.shape,
+                                                                                              strict=True))
+
+    @property
     def transposed_k_loads(self):
         """Whether the mma.sync kernel can copy K by runs of keys (K contiguous along the sequence, as a
         transposed view of a ``(…, head_dim, seqlen_kv)`` tensor) and q, v by rows."""
@@ -327,7 +334,7 @@ def _attention_kernel(p, device, config=None, splits=1):
         flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads,
                  # the producer's copies by TMA: dense or packed sequences, one run of keys, K as it lies
                  "tensor_copies": (config.producer and (p.sequences is None or not p.sequences.layout.paged)
-                                   and splits == 1 and not p.transposed_k_loads)}
+                                   and splits == 1 and not p.transposed_k_loads and p.tensor_mappable)}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
                  "cluster_merge": p.sequences is None and cluster_merges(blocks, splits, limits)}

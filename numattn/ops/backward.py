@@ -54,9 +54,11 @@ def backward_config(dtype, head_dim, head_dim_v, device=0):
 
 def _copyable_rows(x):
     """``x``, or a contiguous copy where its rows are unfit for 16-byte copies (a strided last axis, rows
-    not 16-byte aligned)."""
+    not 16-byte aligned) or for a tensor map (an axis of more than one element with a stride of 0, as an
+    output gradient broadcast by ``expand`` has)."""
     rows_aligned = all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned
+    repeated = any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape, strict=True))
+    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned and not repeated
     return x if aligned else x.contiguous()
 
 
