@@ -275,6 +275,23 @@ def test_tensor_copies_where_a_map_describes_the_operands():
     assert _copyable_rows(grad).is_contiguous() and not grad.is_contiguous()
 
 
+def test_tensor_map_cache_uploads_once_per_stream_and_operands(monkeypatch):
+    """The cache of a plan's tensor maps encodes and uploads the maps of a set of operand pointers once per
+    stream, and starts afresh after ``ENTRIES`` sets."""
+    from numattn.kernels import tensor_maps
+
+    monkeypatch.setattr(tensor_maps, "encode_tile_map", lambda pointer, shape, strides, rows: np.full(16, pointer))
+    uploads = []
+    cache = tensor_maps.TensorMapCache([((1, 1, 64, 64), (8192, 8192, 128, 2), 64)] * 3,
+                                       lambda maps: uploads.append(maps) or (maps, len(uploads)))
+    assert cache.entry(7, 16, 32, 48)[1] == 1 and cache.entry(7, 16, 32, 48)[1] == 1
+    assert cache.entry(8, 16, 32, 48)[1] == 2  # another stream, its own upload
+    assert uploads[0][:, 0].tolist() == [16, 32, 48]
+    for pointer in range(cache.ENTRIES):
+        cache.entry(7, pointer, 0, 0)
+    assert len(cache.entries) <= cache.ENTRIES
+
+
 def test_transposed_keys_offer_the_wgmma_kernel_to_tuners():
     """K stored transposed (keys contiguous) takes the mma.sync kernel by default and offers tuners the wgmma
     one on sm_90, with key tiles in multiples of 64 (a head-dim row of keys per 128-byte swizzle panel)."""

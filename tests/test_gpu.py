@@ -185,6 +185,29 @@ def test_bshd_and_strided_views(rng):
     assert torch.equal(o2, o.transpose(1, 2))
 
 
+def test_tensor_maps_are_uploaded_on_each_stream(rng):
+    """A plan with tensor copies (head dim 128, a producer) uploads its maps on the stream it launches on: the
+    same tensors on a busy side stream, then on the default stream, give the reference's output both times."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor copies need sm_90")
+    from numattn.ops.attention import _slow_path
+
+    q, k, v = cuda_qkv(rng, "bfloat16", 4, 16, 16, 1024, 1024, 128)
+    assert _slow_path(q, k, v, None, True, None, "bhsd", False, (None,) * 4)[0].tensor_maps is not None
+    expected = reference.attention(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):  # keep the side stream busy, so that maps read before their copy would show
+            big = big @ big / 64
+        on_side = numattn.attention(q, k, v, causal=True)
+    on_default = numattn.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    for o in (on_side, on_default):
+        assert max_error(o, expected) <= ATOL["bfloat16"]
+
+
 def test_runs_on_torch_current_stream(rng):
     q, k, v = cuda_qkv(rng, "float16", 1, 8, 8, 512, 512, 64)
     stream = torch.cuda.Stream()

@@ -11,7 +11,7 @@ import itertools
 
 import numpy as np
 
-from .._cuda import SIMULATOR, cuda
+from .._cuda import SIMULATOR
 from .ptx.tma import PANEL_COLUMNS, SIMULATED_TENSOR_MAPS
 
 MAP_WORDS = 16  # 64-bit words of a tensor map
@@ -85,29 +85,26 @@ def _check_box(box_rows):
 
 
 class TensorMapCache:
-    """The tensor maps of a launch's operands on GPU ``device``, by the operands' data pointers: the operands of
-    a launch plan (fixed shapes and strides, ``layouts``: ``(shape, byte strides, box rows)`` of each), whose
-    pointers recur from call to call, find their maps encoded and copied once; after ``ENTRIES`` sets of
-    pointers it starts afresh."""
+    """The tensor maps of a launch's operands, by the stream they were uploaded on and the operands' data
+    pointers: the operands of a launch plan (fixed shapes and strides, ``layouts``: ``(shape, byte strides, box
+    rows)`` of each), whose pointers recur from call to call, find their maps encoded and uploaded once.
+    ``upload(maps)`` puts the ``[operands, MAP_WORDS]`` words on the GPU, in the order of that stream's work,
+    and returns ``(device buffer, its address)``; after ``ENTRIES`` sets of pointers the cache starts afresh."""
 
     ENTRIES = 64
 
-    def __init__(self, device, layouts):
-        self.device, self.layouts = device, tuple(layouts)
+    def __init__(self, layouts, upload):
+        self.layouts, self.upload = tuple(layouts), upload
         self.entries = {}
 
-    def maps(self, *pointers):
-        """The ``[operands, MAP_WORDS]`` maps of the operands at ``pointers``, a device array."""
-        entry = self.entries.get(pointers)
+    def entry(self, stream, *pointers):
+        """``(device buffer, address)`` of the maps of the operands at ``pointers`` for launches on ``stream``."""
+        key = (stream, *pointers)
+        entry = self.entries.get(key)
         if entry is None:
             if len(self.entries) >= self.ENTRIES:
                 self.entries.clear()
             maps = np.stack([encode_tile_map(pointer, shape, strides, rows)
                              for pointer, (shape, strides, rows) in zip(pointers, self.layouts, strict=True)])
-            with cuda.gpus[self.device]:
-                entry = self.entries[pointers] = cuda.to_device(maps)
+            entry = self.entries[key] = self.upload(maps)
         return entry
-
-    def pointer(self, *pointers):
-        """The device address of ``maps(*pointers)``."""
-        return self.maps(*pointers).device_ctypes_pointer.value

@@ -20,6 +20,7 @@ from .._arrays import (
     is_torch,
     rounded_storage,
     storage_dtype,
+    torch_current,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
@@ -421,20 +422,23 @@ class _DevicePlan(LaunchPlan):
             slots[at:at] = [len(fields) + slot for slot in map_slots]
             fields += map_fields
             rows = (chosen.config.block_m, chosen.config.block_n, chosen.config.block_n)
-            self.tensor_maps = TensorMapCache(p.device, (
+            self.tensor_maps = TensorMapCache((
                 (shape, tuple(stride * size for stride in strides), n)
-                for (shape, strides, size), n in zip(arrays[:3], rows, strict=True)))
+                for (shape, strides, size), n in zip(arrays[:3], rows, strict=True)), self._upload_maps)
         # (stream, q, k, v, alibi, sinks, out, lse); with splits (..., part, part_lse, counters); varlen
         # (stream, q, k, v, alibi, sinks, cu_seqlens_q, cu_seqlens_k, seqused_k, page_table, out, lse); with tensor
         # copies the maps after sinks and the varlen arrays (stream, q, k, v, alibi, sinks, [...,] maps, out, lse)
         self.launch = kernel.prepare(grid, chosen.threads, fields, slots, cluster=chosen.cluster)
 
-    def maps_pointer(self, q, k, v):
-        """``()``, or with tensor copies the device address of the tensor maps of Q, K and V at these addresses."""
-        return () if self.tensor_maps is None else (self.tensor_maps.pointer(q, k, v),)
+    def _upload_maps(self, maps):
+        """The tensor maps on the plan's GPU, copied before this returns: ``(device array, address)``."""
+        with cuda.gpus[self.device]:
+            on_device = cuda.to_device(maps)
+        return on_device, on_device.device_ctypes_pointer.value
 
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
-        maps = () if self.tensor_maps is None else (self.tensor_maps.maps(*(array_pointer(x) for x in (q, k, v))),)
+        maps = () if self.tensor_maps is None else (
+            self.tensor_maps.entry(None, *(array_pointer(x) for x in (q, k, v)))[0],)
         return self.run_device_arrays((q, k, v, alibi, sinks, *sequences, *maps), out)
 
 
@@ -444,6 +448,22 @@ class _TorchPlan(_DevicePlan):
     def __init__(self, p, config=None, splits=1):
         super().__init__(p, config, splits)
         self.run = self.torch_runner()
+        self._current_stream = torch_current()[1]
+
+    def _upload_maps(self, maps):
+        """The tensor maps copied on torch's current stream, without waiting for it: ``(tensor, address)``."""
+        import torch
+
+        on_device = torch.from_numpy(maps).to(torch.device("cuda", self.device), non_blocking=True)
+        return on_device, on_device.data_ptr()
+
+    def maps_pointer(self, q, k, v):
+        """``()``, or with tensor copies the device address of the tensor maps of Q, K and V at these addresses,
+        uploaded on torch's current stream (a launch on another stream has its own: none reads maps before
+        their copy)."""
+        if self.tensor_maps is None:
+            return ()
+        return (self.tensor_maps.entry(self._current_stream(self.device), q, k, v)[1],)
 
     def __call__(self, q, k, v, out, alibi=None, sinks=None, *sequences):
         q, k, v = q.data_ptr(), k.data_ptr(), v.data_ptr()
