@@ -490,10 +490,11 @@ def test_gradients_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where):
-    """The producer's tensor copies over packed sequences: a key tile that runs past its sequence's keys is
-    copied with zeros past them, so NaN keys and values of a sequence without queries leave the outputs of the
-    sequences beside it finite and right (causal and not; an empty sequence, one of a single key, and one
-    whose last tile takes a stage for the third time: the producer's threads wait for it in turn)."""
+    """The producer's tensor copies over packed sequences: a key tile that runs past its sequence's keys (or
+    its ``seqused_k``) is copied with zeros past them, so NaN keys and values of a sequence without queries
+    and past a sequence's used keys leave the outputs finite and right (causal and not; an empty sequence,
+    one of a single key, and one whose last tile takes a stage for the third time: the producer's threads
+    wait for it in turn)."""
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numattn.configs.attention import WgmmaConfig
@@ -512,11 +513,13 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where)
     q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, head_dim)
     q, k, v = as_dtype([q, k, v], dtype)
     k[cu_k[1]:cu_k[2]], v[cu_k[1]:cu_k[2]] = np.nan, np.nan  # sequence 1: keys, no queries
+    used = np.array(lengths_k, np.int32) - np.array([0, 0, 5, 0], np.int32)  # sequence 2's last 5 keys cut off
+    k[cu_k[3] - 5:cu_k[3]], v[cu_k[3] - 5:cu_k[3]] = np.nan, np.nan
     for causal in (False, True):
         problem = validate_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), None, causal, None, True,
-                                  None, None, None, None, None, None)
+                                  None, None, None, None, None, used)
         plan = make_plan(problem, config)
         assert plan.tensor_copies if where == "sim" else plan.device_plan.tensor_maps is not None
-        o, lse = plan(q, k, v, None, None, None, cu_q, cu_k, None, None)
+        o, lse = plan(q, k, v, None, None, None, cu_q, cu_k, used, None)
         assert np.isfinite(reference.to_float64(o)).all(), causal
-        check(o, lse, ATOL[dtype], q, k, v, cu_q, cu_k, causal=causal)
+        check(o, lse, ATOL[dtype], q, k, v, cu_q, cu_k, causal=causal, seqused_k=used)
