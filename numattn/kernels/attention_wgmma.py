@@ -82,9 +82,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     ``aligned_out``: rows of ``o`` are contiguous and 16-byte aligned, so the output is
     written in 16-byte chunks.
 
-    ``split`` (a configuration without a producer, dense sequences): the keys are divided among the
-    ``gridDim.y`` blocks of a query tile, whose partial results the last of them merges, with the arguments
-    and workspace of the ``mma.sync`` kernel's split (``attention_mma.py``).
+    ``split`` (a configuration without a producer): the keys are divided among the ``gridDim.y`` blocks of a
+    query tile, whose partial results the last of them merges, with the arguments and workspace of the
+    ``mma.sync`` kernel's split (``attention_mma.py``); packed and paged sequences split alike.
 
     ``k_transposed`` (key tiles in multiples of 64, dense sequences): ``k`` is ``[B, Hkv, D, Skv]`` with the
     keys contiguous (a transposed view of K); its tiles are copied as they lie, a head-dim row of keys per
