@@ -174,15 +174,19 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             load_partial_kt_tile_async(view, tile_row0, k, at, h, n0, nkeys)
 
     @cuda.jit(device=True, forceinline=True)
-    def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):
+    def copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys):
         """Start this thread's copies of key tile ``j`` (keys from ``first + j · BLOCK_N``, found from ``kv_at`` as
-        ``sequences.py`` says; from ``nkeys`` on they read 0) into ``stage``; the stage's FULL barrier counts
-        them in."""
+        ``sequences.py`` says; from ``nkeys`` on they read 0) into ``stage``."""
         if K_T:
             load_kt_tile_async(view, K_ROW0 + stage * K_ROWS, k, kv_at, h_kv, first + j * BLOCK_N, nkeys)
         else:
             load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, int64(BLOCK_N), k, kv_at, h_kv, first + j * BLOCK_N, nkeys, D)
         load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, int64(BLOCK_N), v, kv_at, h_kv, first + j * BLOCK_N, nkeys, DV)
+
+    @cuda.jit(device=True, forceinline=True)
+    def load_kv_async(view, bars, k, v, kv_at, h_kv, j, stage, first, nkeys):
+        """``copy_kv_async``, and the stage's FULL barrier counts the copies in."""
+        copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys)
         cp_async_mbarrier_arrive(bars, FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
@@ -238,10 +242,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                 # so a thread that did not could take an older phase's completion for this one
                 mbarrier_wait(bars, EMPTY + stage, ((j // STAGES) % 2) ^ 1)
             barrier_sync(TAIL_COPIED, 128)  # the stage is free for every producer thread
-            load_kv_tile_async(view, K_ROW0 + stage * K_ROWS, int64(BLOCK_N), k, kv_at, h_kv, first + j * BLOCK_N, nkeys,
-                               D)
-            load_kv_tile_async(view, V_ROW0 + stage * V_ROWS, int64(BLOCK_N), v, kv_at, h_kv, first + j * BLOCK_N, nkeys,
-                               DV)
+            copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys)
             cp_async_commit()
             cp_async_wait_group(0)
             barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival

@@ -20,24 +20,31 @@ MAX_BOX_ROWS = 256
 _simulated_keys = itertools.count(1)
 
 
+def steps_along_every_axis(shape, strides):
+    """Whether a map can describe an array of ``shape`` and ``strides``: no axis of more than one element
+    repeats (a stride of 0, as ``expand`` gives)."""
+    return all(stride or n == 1 for stride, n in zip(strides, shape, strict=True))
+
+
 def tile_map(array, box_rows):
     """The tensor map (``uint64 [MAP_WORDS]``) of ``array`` — a 4-D array of 16-bit values on the GPU (any
     object with ``__cuda_array_interface__``: a torch CUDA tensor, a numba device array) — for boxes of
     ``box_rows`` rows of 64 columns. ValueError for an array a tensor map cannot describe."""
     if SIMULATOR:
+        shape, dtype = array.shape, np.dtype(array.dtype)
+    else:
+        interface = array.__cuda_array_interface__
+        shape, dtype = tuple(interface["shape"]), np.dtype(interface["typestr"])
+    if dtype.itemsize != 2 or len(shape) != 4:
+        raise ValueError(f"a tensor map describes a 4-D array of 16-bit values, got {dtype} {shape}")
+    if SIMULATOR:
         _check_box(box_rows)
-        if np.dtype(array.dtype).itemsize != 2 or len(array.shape) != 4:
-            raise ValueError(f"a tensor map describes a 4-D array of 16-bit values, got {array.dtype} {array.shape}")
         key = next(_simulated_keys)
         SIMULATED_TENSOR_MAPS[key] = (array, box_rows)
         return np.array([key] + [0] * (MAP_WORDS - 1), dtype=np.uint64)
-    interface = array.__cuda_array_interface__
-    shape, pointer = tuple(interface["shape"]), interface["data"][0]
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    strides = interface.get("strides") or tuple(int(np.prod(shape[axis + 1:])) * itemsize for axis in range(len(shape)))
-    if itemsize != 2 or len(shape) != 4:
-        raise ValueError(f"a tensor map describes a 4-D array of 16-bit values, got {interface['typestr']} {shape}")
-    return encode_tile_map(pointer, shape, strides, box_rows)
+    strides = interface.get("strides") or tuple(int(np.prod(shape[axis + 1:])) * dtype.itemsize
+                                                for axis in range(len(shape)))
+    return encode_tile_map(interface["data"][0], shape, strides, box_rows)
 
 
 def encode_tile_map(pointer, shape, strides, box_rows):
@@ -45,7 +52,7 @@ def encode_tile_map(pointer, shape, strides, box_rows):
     with ``shape`` and byte ``strides``, for boxes of ``box_rows`` rows of 64 columns (the CUDA driver's
     encoding; ValueError for an array a tensor map cannot describe)."""
     _check_box(box_rows)
-    if any(stride == 0 and n > 1 for stride, n in zip(strides, shape, strict=True)):
+    if not steps_along_every_axis(shape, strides):
         raise ValueError(f"a tensor map cannot repeat rows (a stride of 0 over more than one element), got shape "
                          f"{shape}, strides {strides}")
     # an axis of extent 1 (a packed layout's leading axis, stride 0) takes no step: give it the array's span

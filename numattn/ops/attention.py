@@ -45,7 +45,7 @@ from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.sequences import DENSE_IN_SECTIONS
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
-from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, tile_map
+from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, steps_along_every_axis, tile_map
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .checks import host_values
@@ -141,8 +141,7 @@ class Problem:
     def tensor_mappable(self):
         """Whether tensor maps describe q, k and v: no axis of more than one element repeats (a stride of 0, as
         ``expand`` gives), which a map cannot step along."""
-        return all(stride or n == 1 for op in (self.q, self.k, self.v) for stride, n in zip(op.strides, op.shape,
-                                                                                              strict=True))
+        return all(steps_along_every_axis(op.shape, op.strides) for op in (self.q, self.k, self.v))
 
     @property
     def transposed_k_loads(self):

@@ -33,7 +33,7 @@ from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
-from ..kernels.tensor_maps import forget, tile_map
+from ..kernels.tensor_maps import forget, steps_along_every_axis, tile_map
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -57,8 +57,8 @@ def _copyable_rows(x):
     not 16-byte aligned) or for a tensor map (an axis of more than one element with a stride of 0, as an
     output gradient broadcast by ``expand`` has)."""
     rows_aligned = all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-    repeated = any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape, strict=True))
-    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned and not repeated
+    aligned = (x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned
+               and steps_along_every_axis(x.shape, x.stride()))
     return x if aligned else x.contiguous()
 
 
