@@ -25,11 +25,12 @@ def reference_attention(q, k, v, causal, scale):
     return p @ v
 
 
-def check_gradients(q, k, v, causal):
-    """numattn's gradients against float64 autograd of the reference, for every input that requires one."""
+def check_gradients(q, k, v, causal, output_gradient=torch.randn_like):
+    """numattn's gradients against float64 autograd of the reference, for every input that requires one;
+    ``output_gradient(o)`` makes the gradient of the output."""
     scale = 0.7 / q.shape[-1] ** 0.5
     o = nt.attention(q, k, v, causal=causal, scale=scale)
-    do = torch.randn_like(o)
+    do = output_gradient(o)
     o.backward(do)
     exact = [x.detach().double().requires_grad_(x.requires_grad) for x in (q, k, v)]
     ref = reference_attention(*exact, causal, scale)
@@ -139,6 +140,19 @@ def test_backward_producer_where_it_fits():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gradients_in_16_bit(dtype):
     check_gradients(leaf((1, 2, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), leaf((1, 1, 8, 16), dtype), causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [16, 12])  # rows read in 16-byte chunks, and element by element
+def test_output_gradient_rows_neither_aligned_nor_contiguous(head_dim):
+    """dO's rows reach the backward 2 bytes past a 16-byte boundary, one element into rows of D + 1 (on the
+    GPU where there is one: a misaligned 16-byte load would fault)."""
+    def misaligned(o):
+        wide = torch.randn(*o.shape[:-1], o.shape[-1] + 1, dtype=o.dtype, device=o.device)
+        return wide[..., 1:]
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (leaf((1, 2, 9, head_dim), torch.bfloat16, device) for _ in range(3))
+    check_gradients(q, k, v, causal=True, output_gradient=misaligned)
 
 
 def test_grouped_query_attention_module_matches_sdpa():

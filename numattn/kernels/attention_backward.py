@@ -12,7 +12,9 @@ in the log2 domain, ``lse2``, for this and the tensor-core backward), ``dq``
 thread per key row of a key/value head, looping over every query row of every
 query head in its group, so that a KV head's gradients sum its group without
 atomics). Arrays are 4-D (batch, heads, seq, dim) with any strides, in the
-storage dtype (16-bit floats as uint16); gradients, delta and lse2 are float32.
+storage dtype (16-bit floats as uint16), but for the rows kernel's 16-bit ``o`` and ``do`` of a head
+dim that is a multiple of 8: rows contiguous and 16-byte aligned, read in 16-byte chunks; gradients,
+delta and lse2 are float32.
 Causal masking is bottom-right: key j is visible to query i when ``j <= i + Skv - Sq``.
 
 Packed sequences (``sequences.py``): the arrays are ``[1, heads, total, dim]``, the kernels take
@@ -27,7 +29,7 @@ from numba import float32
 
 from .._cuda import cuda
 from .constants import LOG2E, LOG2E_F32
-from .ptx import cvt_f32_bf16, cvt_f32_f16, shfl_xor_f32
+from .ptx import cvt_f32_bf16, cvt_f32_f16, load_16, shfl_xor_f32, unpack_bf16x2, unpack_f16x2
 from .score_mods import NO_MODS, score_gradient
 from .sequences import DENSE, padded_rows, sequence_of, sequence_span
 
@@ -58,12 +60,24 @@ def backward_kernels(dtype, head_dim, head_dim_v, causal, mods=NO_MODS, sequence
             total += at(x, bx, hx, ix, d) * at(y, by, hy, iy, d)
         return total
 
+    # 16-bit rows of whole 16-byte chunks are read a chunk (8 elements) per load: the host passes them
+    # 16-byte aligned (``ops.backward._copyable_rows``)
+    CHUNKS = widen is not None and DV % 8 == 0
+    unpack = unpack_bf16x2 if dtype == "bfloat16" else unpack_f16x2
+
     @cuda.jit(device=True, forceinline=True)
     def row_sum(o, do, b, h, i, part, inside):
         """delta of row ``i``: ``ROW_THREADS`` neighbouring threads share it, reading neighbouring elements
-        (coalesced); every lane of the warp takes part in the sum."""
+        or chunks (coalesced); every lane of the warp takes part in the sum."""
         total = float32(0.0)
-        if inside:
+        if inside and CHUNKS:
+            for d in range(8 * part, DV, 8 * ROW_THREADS):
+                o_words, do_words = load_16(o, (b, h, i, d)), load_16(do, (b, h, i, d))
+                for w in range(4):
+                    o_lo, o_hi = unpack(o_words[w])
+                    do_lo, do_hi = unpack(do_words[w])
+                    total += o_lo * do_lo + o_hi * do_hi
+        elif inside:
             for d in range(part, DV, ROW_THREADS):
                 total += at(o, b, h, i, d) * at(do, b, h, i, d)
         for lanes in (1, 2, 4):

@@ -225,7 +225,8 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         lse = lse.unsqueeze(0)
         new = torch.zeros  # rows of no sequence stay 0
         rows_shape, row_count = (1, heads, padded_rows_count(q.shape[0], batch)), heads * q.shape[0]
-    q4, k4, v4, o4, do4 = views
+    q4, k4, v4 = views[:3]
+    o4, do4 = (_copyable_rows(x) for x in views[3:])  # the rows kernel reads 16-byte chunks of their rows
     mods = ((unused[None] if alibi is None else alibi.float().expand(batch, heads),
              unused if sinks is None else sinks.float()), tuple(options.scalars()))
 
@@ -246,7 +247,7 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q4, k4, v4, do4, lse2, delta, dk4, dv4),
                 (np.float32(scale),), stream, mods, offsets)
         return dq, dk, dv
-    q4, k4, v4, do4 = (_copyable_rows(x) for x in (q4, k4, v4, do4))
+    q4, k4, v4 = (_copyable_rows(x) for x in (q4, k4, v4))
     # the float32 accumulator of dQ, to which the kernel adds each key tile's share
     tiled_dq = "dq rows" in specs  # whole tiles in the wgmma kernel's fragment order, with the rows of lse2
     if tiled_dq:
