@@ -136,6 +136,11 @@ def variants():
                                     sequences=packed, tensor_copies=True)
     yield ("wgmma-bfloat16-causal1-d128-varlen-tensor-copies", kernel,
            SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE + (types.Array(types.uint64, 2, "A"),))
+    # pages of 16 keys: a box each, its page looked up by the producer's copying thread
+    kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
+                                    sequences=paged, tensor_copies=True)
+    yield ("wgmma-bfloat16-causal1-d128-paged-tensor-copies", kernel,
+           SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE + (types.Array(types.uint64, 2, "A"),))
     kernel = mma_attention_kernel(choose_mma_config(128, 128, 227 * 1024), "float16", 128, 128, True, True,
                                   sequences=paged)
     yield "mma-float16-causal1-d128-paged", kernel, SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE

@@ -203,9 +203,9 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
 
 def test_wgmma_producer_where_it_fits():
     """At head dim 128 the wgmma default copies its tiles with a producer warpgroup, except for kernels that
-    would spill beside one (a softcap, a window with ALiBi, paged sequences: ``SEQUENCES_REGISTERS`` more);
-    other head dims have none, and there paged sequences keep the dense kernel's tiles (measured faster than
-    smaller ones)."""
+    would spill beside one (a softcap, a window with ALiBi, pages copied by threads: ``SEQUENCES_REGISTERS``
+    more); other head dims have none, and there paged sequences keep the dense kernel's tiles (measured faster
+    than smaller ones)."""
     from numattn.configs.attention import SEQUENCES_REGISTERS, choose_wgmma_config
     from numattn.kernels.score_mods import ScoreMods
 

@@ -489,12 +489,14 @@ def test_gradients_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where):
-    """The producer's tensor copies over packed sequences: a key tile that runs past its sequence's keys (or
-    its ``seqused_k``) is copied with zeros past them, so NaN keys and values of a sequence without queries
-    and past a sequence's used keys leave the outputs finite and right (causal and not; an empty sequence,
-    one of a single key, and one whose last tile takes a stage for the third time: the producer's threads
-    wait for it in turn)."""
+@pytest.mark.parametrize("pages", ["packed", "pages smaller than a tile", "pages larger than a tile"])
+def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, pages):
+    """The producer's tensor copies over packed sequences and over pages that split a tile into whole boxes: a
+    key tile that runs past its sequence's keys (or its ``seqused_k``) is copied with zeros past them, so NaN
+    keys and values of a sequence without queries, of unused pages and past each sequence's used keys leave the
+    outputs finite and right
+    (causal and not; an empty sequence, one of a single key, and one whose last tile takes a stage for the
+    third time: the producer's threads wait for it in turn)."""
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numattn.configs.attention import WgmmaConfig
@@ -510,16 +512,28 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where)
             pytest.skip("tensor copies need sm_90")
         config, dtype, head_dim, lengths_q, lengths_k = (WgmmaConfig(128, 2, 3, producer=True), "bfloat16", 128,
                                                          [100, 0, 300, 1], [130, 7, 1000, 1])
+    page_size = {"pages smaller than a tile": config.block_n // 2, "pages larger than a tile": 2 * config.block_n}
     q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, head_dim)
-    q, k, v = as_dtype([q, k, v], dtype)
-    k[cu_k[1]:cu_k[2]], v[cu_k[1]:cu_k[2]] = np.nan, np.nan  # sequence 1: keys, no queries
-    used = np.array(lengths_k, np.int32) - np.array([0, 0, 5, 0], np.int32)  # sequence 2's last 5 keys cut off
-    k[cu_k[3] - 5:cu_k[3]], v[cu_k[3] - 5:cu_k[3]] = np.nan, np.nan
+    if pages == "packed":
+        k[cu_k[1]:cu_k[2]], v[cu_k[1]:cu_k[2]] = np.nan, np.nan  # sequence 1: keys, no queries
+        k[cu_k[3] - 5:cu_k[3]], v[cu_k[3] - 5:cu_k[3]] = np.nan, np.nan  # sequence 2's last 5 keys, cut off
+        keys, seqused, table = (k, v, cu_q, cu_k), np.array(lengths_k, np.int32) - np.array([0, 0, 5, 0], np.int32), None
+    else:
+        k, v, table, seqused = paged(rng, lengths_k, page_size[pages], 1, head_dim)
+        unused = np.setdiff1d(np.arange(len(k)), table[table >= 0])
+        k[unused], v[unused] = np.nan, np.nan
+        for b, n in enumerate(lengths_k):  # past each sequence's keys in its last page
+            if n % page_size[pages]:
+                last = table[b, n // page_size[pages]]
+                k[last, n % page_size[pages]:], v[last, n % page_size[pages]:] = np.nan, np.nan
+        keys = (k, v, cu_q, None)
+    q, k, v = as_dtype([q, *keys[:2]], dtype)
+    args = (q, k, v, *keys[2:])
     for causal in (False, True):
-        problem = validate_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), None, causal, None, True,
-                                  None, None, None, None, None, used)
+        problem = validate_varlen(*args, max(lengths_q), max(lengths_k), None, causal, None, True, None, None, None,
+                                  None, table, seqused)
         plan = make_plan(problem, config)
         assert plan.tensor_copies if where == "sim" else plan.device_plan.tensor_maps is not None
-        o, lse = plan(q, k, v, None, None, None, cu_q, cu_k, used, None)
+        o, lse = plan(q, k, v, None, None, None, *args[3:], seqused, table)
         assert np.isfinite(reference.to_float64(o)).all(), causal
-        check(o, lse, ATOL[dtype], q, k, v, cu_q, cu_k, causal=causal, seqused_k=used)
+        check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=table, causal=causal)

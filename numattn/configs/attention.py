@@ -10,6 +10,7 @@ from ..kernels.launch import device_limits
 from ..kernels.ptx import SW128_ALIGN
 from ..kernels.score_mods import NO_MODS
 from ..kernels.split_merge import CLUSTER_SPLITS, KEY_SPLITS
+from ..kernels.tensor_maps import key_box_rows
 from ..kernels.tiles import PAD
 from . import registers
 
@@ -230,9 +231,10 @@ PRODUCER_REGISTERS = 56  # per thread of a wgmma kernel's copying warpgroup
 # Hq32 Hkv8 causal, 2026-11-28): at 64 the 96-key tiles spill 40/100 bytes yet took 0.77 of the time of the
 # 64-key tiles that 28 registers chose (H200, fp16); at 256 the 48-key tiles compile to 249 registers without
 # spilling and took 1.01 of the time of the 32-key tiles (H100, bf16); at 128 the producer's copying warpgroup
-# spills 216/352 bytes (H200, bf16: 1.31 of the time). Packed sequences take the dense kernel's tiles: with
-# 13 registers more they did at 64 and 256 too, and at 128 their producer copies by TMA, which spills only in
-# the copies of a sequence's last key tile (40/80 bytes, bf16, causal).
+# spills 216/352 bytes (H200, bf16: 1.31 of the time). Packed sequences, and pages that split a 128-key tile
+# into whole boxes (``tensor_maps.key_box_rows``), take the dense kernel's tiles: with 13 registers more they
+# did at 64 and 256 too, and at 128 their producer copies by TMA, which spills only in the copies of a
+# sequence's last key tile (packed: 40/80 bytes, bf16, causal).
 SEQUENCES_REGISTERS = 13
 
 
@@ -314,7 +316,10 @@ def default_config(p, limits):
     mma.sync kernel rather than the wgmma one: its one-warp tiles simulate faster)."""
     kinds = fitting_kernels(p, limits)
     if kinds[0] is WgmmaConfig and not SIMULATOR:
-        extra = SEQUENCES_REGISTERS if p.sequences is not None and p.sequences.layout.paged else 0
+        layout = None if p.sequences is None else p.sequences.layout
+        # pages copied by threads take registers beyond the estimate; the producer's 128-key tiles of whole pages,
+        # copied by TMA, do not
+        extra = SEQUENCES_REGISTERS if layout is not None and layout.paged and not key_box_rows(layout, 128) else 0
         return choose_wgmma_config(p.head_dim, p.head_dim_v, limits["max_shared"], extra, p.options.mods)
     if MmaConfig in kinds:
         config = choose_mma_config(p.head_dim, p.head_dim_v, limits["max_shared"], SIMULATOR)

@@ -67,6 +67,7 @@ from .ptx import (
 from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, source_row
 from .split_merge import split_finisher, split_run
+from .tensor_maps import key_box_rows
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
@@ -90,10 +91,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     keys contiguous (a transposed view of K); its tiles are copied as they lie, a head-dim row of keys per
     tile row, and read as an MN-major operand, as V's are.
 
-    ``tensor_copies`` (a producer, dense or packed sequences, one run of keys, K as it lies): the producer's first
-    thread copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column panel per copy, from the
-    tensor maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and V's of ``block_n``), the
-    kernel's last argument. A packed sequence's last K/V tile, when it runs past the sequence's keys, is copied
+    ``tensor_copies`` (a producer, tiles of whole pages (``tensor_maps.key_box_rows``), one run of keys, K as it
+    lies): the producer's first thread copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column
+    panel per copy, from the tensor maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and
+    V's of ``key_box_rows``: a tile's, or with smaller pages a page's), the kernel's last argument. A packed sequence's last K/V tile, when it runs past the sequence's keys, is copied
     by the whole producer warpgroup with ``cp.async``, whose rows past the end read 0: a box would read the next
     sequence's rows, and a value there that is not finite would turn this sequence's ``0 · V`` into NaN.
 
@@ -144,9 +145,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
     TENSOR_COPIES = tensor_copies
-    if TENSOR_COPIES and (not PRODUCER or sequences.paged or SPLIT or K_T):
-        raise ValueError(f"tensor copies take a producer, dense or packed sequences, one run of keys and K as it "
-                         f"lies, got {config}, {sequences}, split={split}, k_transposed={k_transposed}")
+    KV_BOX_ROWS = key_box_rows(sequences, BLOCK_N)  # rows of K and V per tensor copy: a tile's or a page's
+    if TENSOR_COPIES and (not PRODUCER or not KV_BOX_ROWS or SPLIT or K_T):
+        raise ValueError(f"tensor copies take a producer, tiles of whole pages, one run of keys and K as it lies, "
+                         f"got {config}, {sequences}, split={split}, k_transposed={k_transposed}")
     ARRIVALS = 1 if TENSOR_COPIES else COPIERS  # per phase of a FULL or Q_FULL barrier
     Q_BYTES, KV_BYTES = 2 * BLOCK_M * D, 2 * BLOCK_N * (D + DV)
     locate = block_locator(sequences)
@@ -160,8 +162,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
-    load_kv_tile_async = tile_copier(COPIERS, sw128_cell, source_row(sequences), stepping=True,
-                                     first_thread=FIRST_COPIER)
+    kv_source = source_row(sequences)
+    load_kv_tile_async = tile_copier(COPIERS, sw128_cell, kv_source, stepping=True, first_thread=FIRST_COPIER)
     load_partial_kt_tile_async = transposed_key_copier(COPIERS, sw128_cell, D, BLOCK_N, first_thread=FIRST_COPIER)
 
     @cuda.jit(device=True, forceinline=True)
@@ -216,12 +218,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if j >= STAGES:
                 mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
             mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
-            for p in range(D // 64):
-                tma_load_box(view, K_ROW0 + stage * K_ROWS + p * BLOCK_N, maps, 1, kv_at, h_kv, first + j * BLOCK_N,
-                             64 * p, bars, FULL + stage)
-            for p in range(DV // 64):
-                tma_load_box(view, V_ROW0 + stage * V_ROWS + p * BLOCK_N, maps, 2, kv_at, h_kv, first + j * BLOCK_N,
-                             64 * p, bars, FULL + stage)
+            for i in range(BLOCK_N // KV_BOX_ROWS):  # one box of rows, or one a page, per panel
+                at, row = kv_source(kv_at, first + j * BLOCK_N + i * KV_BOX_ROWS)
+                for p in range(D // 64):
+                    tma_load_box(view, K_ROW0 + stage * K_ROWS + p * BLOCK_N + i * KV_BOX_ROWS, maps, 1, at, h_kv, row,
+                                 64 * p, bars, FULL + stage)
+                for p in range(DV // 64):
+                    tma_load_box(view, V_ROW0 + stage * V_ROWS + p * BLOCK_N + i * KV_BOX_ROWS, maps, 2, at, h_kv, row,
+                                 64 * p, bars, FULL + stage)
             mbarrier_arrive(bars, FULL + stage)
             stage, parity = ring_next(stage, parity, STAGES)
 

@@ -86,6 +86,19 @@ def forget(maps):
             SIMULATED_TENSOR_MAPS.pop(int(key), None)
 
 
+def key_box_rows(layout, block_n):
+    """Rows of K and V one tensor copy of a ``block_n``-key tile moves under sequence layout ``layout``: the
+    tile's, or with pages of fewer keys a page's; 0 where pages do not split a tile into whole boxes (a box
+    starts on a 1024-byte swizzle atom, 8 rows, and a tile's keys start at a multiple of ``block_n``: the page
+    size must be a multiple of 8 that divides ``block_n`` or that ``block_n`` divides)."""
+    if not layout.paged:
+        return block_n
+    page_size = layout.page_size
+    if page_size % 8 or (block_n % page_size and page_size % block_n):
+        return 0
+    return min(page_size, block_n)
+
+
 def _check_box(box_rows):
     if not 1 <= box_rows <= MAX_BOX_ROWS:
         raise ValueError(f"box_rows must be in [1, {MAX_BOX_ROWS}], got {box_rows}")

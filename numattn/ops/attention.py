@@ -43,9 +43,9 @@ from ..kernels.attention_simt import simt_attention_kernel
 from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits
-from ..kernels.sequences import DENSE_IN_SECTIONS
+from ..kernels.sequences import DENSE, DENSE_IN_SECTIONS
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
-from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, steps_along_every_axis, tile_map
+from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, key_box_rows, steps_along_every_axis, tile_map
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .checks import host_values
@@ -299,6 +299,13 @@ class _Kernel(NamedTuple):
     tensor_copies: bool
 
 
+def map_rows(p, config):
+    """Rows of the boxes of the tensor maps of Q, K and V: a query tile's, a key tile's or (pages smaller than a
+    tile) a page's."""
+    key_rows = key_box_rows(DENSE if p.sequences is None else p.sequences.layout, config.block_n)
+    return config.block_m, key_rows, key_rows
+
+
 def _attention_kernel(p, device, config=None, splits=1):
     """The ``_Kernel`` that computes problem ``p``.
 
@@ -330,10 +337,11 @@ def _attention_kernel(p, device, config=None, splits=1):
     if blocks > _MAX_GRID:
         raise ValueError(f"problem too large: {blocks} thread blocks exceed the grid limit")
     flags = {}
+    layout = DENSE if p.sequences is None else p.sequences.layout
     if kind is WgmmaConfig:
         flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads,
-                 # the producer's copies by TMA: dense or packed sequences, one run of keys, K as it lies
-                 "tensor_copies": (config.producer and (p.sequences is None or not p.sequences.layout.paged)
+                 # the producer's copies by TMA: tiles of whole pages, one run of keys, K as it lies
+                 "tensor_copies": (config.producer and key_box_rows(layout, config.block_n) > 0
                                    and splits == 1 and not p.transposed_k_loads and p.tensor_mappable)}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
@@ -420,7 +428,7 @@ class _DevicePlan(LaunchPlan):
             at = 5 + len(sequence_slots)
             slots[at:at] = [len(fields) + slot for slot in map_slots]
             fields += map_fields
-            rows = (chosen.config.block_m, chosen.config.block_n, chosen.config.block_n)
+            rows = map_rows(p, chosen.config)
             self.tensor_maps = TensorMapCache((
                 (shape, tuple(stride * size for stride in strides), n)
                 for (shape, strides, size), n in zip(arrays[:3], rows, strict=True)), self._upload_maps)
@@ -552,8 +560,7 @@ class _NoGpuPlan:
                       np.zeros(counter_shape, np.int32)]
         maps = ()
         if self.tensor_copies:  # boxes of a query tile's rows of Q, of a key tile's of K and V
-            rows = (self.config.block_m, self.config.block_n, self.config.block_n)
-            maps = (np.stack([tile_map(x, n) for x, n in zip((q, k, v), rows, strict=True)]),)
+            maps = (np.stack([tile_map(x, n) for x, n in zip((q, k, v), map_rows(p, self.config), strict=True)]),)
         self.kernel.launch_arrays(self.grid, self.block, q, k, v, o_view, lse_view, *splits,
                                   np.float32(p.scale * LOG2E), alibi, sinks, *p.options.scalars(), *sequences, *maps)
         for launched in maps:
