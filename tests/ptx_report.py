@@ -73,9 +73,10 @@ BACKWARD_SIGNATURE, BACKWARD_WGMMA_SIGNATURE = (
                    *MOD_SIGNATURE) for dq_rank in (4, 3))
 
 
-def dense_backward_wgmma_signature(config):
-    """The dense wgmma backward's argument types: with tensor copies, the tensor maps of Q and dO last."""
-    return BACKWARD_WGMMA_SIGNATURE + ((types.Array(types.uint64, 2, "A"),) if config.tensor_copies else ())
+def backward_wgmma_signature(config, offsets=()):
+    """The wgmma backward's argument types: packed sequences' ``offsets`` (``cu_seqlens_q``, ``cu_seqlens_k``),
+    then with tensor copies the tensor maps of Q and dO."""
+    return BACKWARD_WGMMA_SIGNATURE + offsets + ((types.Array(types.uint64, 2, "A"),) if config.tensor_copies else ())
 
 
 def report(ptx):
@@ -149,7 +150,7 @@ def variants():
     # the backward at head dim 128: a producer warpgroup copies the query tiles and adds the dQ tiles
     config = choose_backward_wgmma_config(128, 128, 227 * 1024)
     yield ("backward-wgmma-bfloat16-causal1-d128", backward_wgmma_kernel(config, "bfloat16", 128, 128, True),
-           dense_backward_wgmma_signature(config))
+           backward_wgmma_signature(config))
     # key splits merged through distributed shared memory by a cluster of a query tile's blocks
     clustered = mma_attention_kernel(choose_mma_config(64, 64, 227 * 1024), "float16", 64, 64, True, True,
                                      split=True, cluster_merge=True)
@@ -184,13 +185,13 @@ def training_and_mla_variants():
         for head_dim in (64, 128):
             config = choose_backward_wgmma_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-wgmma-{dtype}-causal1-d{head_dim}",
-                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), dense_backward_wgmma_signature(config))
+                   backward_wgmma_kernel(config, dtype, head_dim, head_dim, True), backward_wgmma_signature(config))
             config = choose_backward_config(head_dim, head_dim, limits["max_shared"])
             yield (f"backward-mma-{dtype}-causal1-d{head_dim}",
                    backward_mma_kernel(config, dtype, head_dim, head_dim, True), backward)
     config = choose_backward_wgmma_config(128, 128, limits["max_shared"])
     yield ("backward-wgmma-bfloat16-causal1-d128-mods",
-           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), dense_backward_wgmma_signature(config))
+           backward_wgmma_kernel(config, "bfloat16", 128, 128, True, EVERY_MOD), backward_wgmma_signature(config))
     yield ("backward-dq-rows-bfloat16-d128", dq_rows_kernel(config, "bfloat16", 128),
            (types.Array(types.float32, 3, "A"), _U16))
     yield ("backward-dq-rows-bfloat16-d128-varlen",
@@ -198,7 +199,7 @@ def training_and_mla_variants():
            (types.Array(types.float32, 3, "A"), _U16, SEQUENCE_SIGNATURE[0]))
     yield ("backward-wgmma-bfloat16-causal1-d128-varlen",
            backward_wgmma_kernel(config, "bfloat16", 128, 128, True, sequences=SequenceLayout(varlen=True)),
-           BACKWARD_WGMMA_SIGNATURE + SEQUENCE_SIGNATURE[:2])
+           backward_wgmma_signature(config, SEQUENCE_SIGNATURE[:2]))
     mla = (*(_U16_3,) * 4, _I32, types.Array(types.int32, 1, "A"), _U16_3, types.Array(types.float32, 2, "A"),
            types.Array(types.float32, 5, "A"), types.Array(types.float32, 4, "A"), types.float32)
     for heads in (16, 128):

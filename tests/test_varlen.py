@@ -537,3 +537,40 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where,
         o, lse = plan(q, k, v, None, None, None, *args[3:], seqused, table)
         assert np.isfinite(reference.to_float64(o)).all(), causal
         check(o, lse, ATOL[dtype], *args, seqused_k=seqused, page_table=table, causal=causal)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_backward_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, monkeypatch):
+    """The wgmma backward's tensor copies over packed sequences: a query tile that runs past its sequence's rows
+    is copied with zeros past them, so NaN queries and output gradients of the next sequence (which has no
+    keys) leave the gradients of the sequence before it finite and right; whole tiles come by tensor copies."""
+    torch = pytest.importorskip("torch")
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    if where == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor copies need sm_90")
+    import numattn.ops.backward as backward_ops
+    import numattn.torch as numattn_torch
+    from numattn.configs.backward import BackwardWgmmaConfig
+
+    config = BackwardWgmmaConfig(2, 1, producer=True, stages=3, ds_stages=2, tensor_copies=True)
+    monkeypatch.setattr(backward_ops, "choose_backward_wgmma_config", lambda *_: config)
+    lengths_q, lengths_k = [150, 5, 20], [40, 0, 30]  # query tiles of 64: two whole ones, then one past the end
+    q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 1, 1, 128)
+    q[cu_q[1]:cu_q[2]] = np.nan
+    device = "cuda" if where == "gpu" else "cpu"
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16).to(device) for x in (q, k, v))
+    do = torch.from_numpy(rng.standard_normal(q.shape, np.float32)).to(q.dtype).to(device)
+    do[cu_q[1]:cu_q[2]] = torch.nan
+    cu_q_t, cu_k_t = (torch.from_numpy(x).to(device) for x in (cu_q, cu_k))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    numattn_torch.attention_varlen(*leaves, cu_q_t, cu_k_t, 150, 40, causal=True).backward(do)
+    expected = sequence_gradients(q.cpu(), k.cpu(), v.cpu(), do.cpu(), torch.from_numpy(cu_q), torch.from_numpy(cu_k),
+                                  causal=True)[1:4]
+    rows = np.r_[cu_q[0]:cu_q[1], cu_q[2]:cu_q[3]]  # every sequence's but the one of NaN
+    for name, got, want in zip(("dq", "dk", "dv"), [x.grad.cpu() for x in leaves], expected, strict=True):
+        if name == "dq":
+            got, want = got[rows], want[rows]
+        assert torch.isfinite(got).all(), name
+        error = (got.double() - want).abs().max().item()
+        assert error <= 3e-2 * (1 + want.abs().max().item()), (name, error)

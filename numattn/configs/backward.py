@@ -85,8 +85,9 @@ class BackwardWgmmaConfig(registers.WarpgroupBlock):
     per thread, and the computing ones take the rest of the register file (``consumer_registers``).
     ``stages``: shared-memory stages of the query tiles (Q, dO and their rows); three only with a producer.
     ``ds_stages``: buffers of the dS tile; with two (only beside a producer) the computing warpgroups meet
-    once per tile instead of twice. ``tensor_copies`` (only with a producer): dense sequences' Q and dO
-    tiles come by tensor copies (TMA), one thread issuing a tile's, rather than 16 bytes per ``cp.async``."""
+    once per tile instead of twice. ``tensor_copies`` (only with a producer): Q and dO tiles come by tensor
+    copies (TMA), one thread issuing a tile's, rather than 16 bytes per ``cp.async`` (but a packed sequence's
+    tile that runs past its rows)."""
 
     warpgroups: int = 2
     dq_stages: int = 2

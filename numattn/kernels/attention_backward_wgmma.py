@@ -195,8 +195,9 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
     WINDOW, ALIBI = mods.window, mods.alibi
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = config.producer_registers, config.consumer_registers
     VARLEN = sequences.varlen
-    # dense Q and dO tiles by tensor copies, the first producer thread issuing them: maps[0] is Q's, maps[1] dO's
-    TENSOR_COPIES = config.tensor_copies and not VARLEN
+    # Q and dO tiles by tensor copies, the first producer thread issuing them: maps[0] is Q's, maps[1] dO's; a
+    # packed sequence's tile that runs past its rows by cp.async (a box would read the next sequence's rows)
+    TENSOR_COPIES = config.tensor_copies
     QUERY_TILE_BYTES = 2 * BLOCK_M * (D + DV)
     locate = key_block_locator(sequences)
     fragments = p_fragments(MSTEPS, dtype)  # A fragments of every k-step from the accumulator tiles
@@ -206,7 +207,7 @@ def backward_wgmma_kernel(config, dtype, head_dim, head_dim_v, causal, mods=NO_M
         """Issue the copies of query tile ``m0`` of head ``h`` (Q and dO rows, rows past the end read 0) and its
         rows of lse2 and delta (rows from ``q_row0`` and ``rows0`` of ``[at, h]``: ``sequences.py``); with tensor
         copies, Q's and dO's land on the stage's FULL barrier (``bars``), a panel of 64 columns per copy."""
-        if TENSOR_COPIES:
+        if TENSOR_COPIES and (not VARLEN or m0 + BLOCK_M <= seqlen_q):
             if cuda.threadIdx.x == CONSUMERS:
                 mbarrier_expect_tx(bars, FULL + stage, QUERY_TILE_BYTES)
                 for p in range(D // 64):

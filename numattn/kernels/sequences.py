@@ -241,8 +241,13 @@ def forward_kernel(attend, layout, split=False, tensor_maps=False):
 def backward_kernel(backward, layout, tensor_maps=False):
     """The kernel function of a tensor-core backward's body ``backward(..., cap_slope, sequences, maps)``: with a
     varlen ``layout`` it takes ``cu_seqlens_q`` and ``cu_seqlens_k`` after the other arguments; with
-    ``tensor_maps`` (dense) the tensor maps of its tensor copies (``maps``, else ``()``)."""
-    if layout.varlen:
+    ``tensor_maps`` the tensor maps of its tensor copies last (``maps``, else ``()``)."""
+    if layout.varlen and tensor_maps:
+        def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                   cap_slope, cu_seqlens_q, cu_seqlens_k, maps):
+            backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
+                     cap_slope, (cu_seqlens_q, cu_seqlens_k), maps)
+    elif layout.varlen:
         def kernel(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,
                    cap_slope, cu_seqlens_q, cu_seqlens_k):
             backward(q, k, v, do, lse2, delta, dq, dk, dv, scale, scale_log2, alibi, sinks, left, right, cap_log2,

@@ -87,8 +87,8 @@ def _backward_specs(dtype, head_dim, head_dim_v, causal, config, mods=NO_MODS, s
             + (f" {sequences}" if sequences.varlen else ""))
     offsets = (types.Array(types.int32, 1, "A"),) * (2 if sequences.varlen else 0)
     tiled_dq = isinstance(config, BackwardWgmmaConfig)  # dQ added in whole tiles, in fragment order
-    # the tiles kernel's last arguments: the offsets, or with tensor copies the tensor maps of Q and dO
-    tiles_tail = (types.Array(types.uint64, 2, "A"),) if tensor_copies(config, sequences) else offsets
+    # the tiles kernel's last arguments: the offsets, then with tensor copies the tensor maps of Q and dO
+    tiles_tail = offsets + ((types.Array(types.uint64, 2, "A"),) if tensor_copies(config) else ())
     arrays = {
         "rows": ([(storage, 4)] * 2 + [(f32, 3)] * 3, 0),  # o, do, lse, delta, lse2
         "dq": ([(storage, 4)] * 4 + [(f32, 3)] * 2 + [(f32, 4)], 1),  # q, k, v, do, lse2, delta, dq
@@ -112,10 +112,10 @@ _MOD_TYPES = (types.Array(types.float32, 2, "A"), types.Array(types.float32, 1, 
               types.float32, types.float32)
 
 
-def tensor_copies(config, sequences):
-    """Whether the backward of ``config`` copies dense sequences' Q and dO tiles by tensor copies (TMA), taking
-    their tensor maps (``kernels/tensor_maps.py``) as its last argument."""
-    return isinstance(config, BackwardWgmmaConfig) and config.tensor_copies and not sequences.varlen
+def tensor_copies(config):
+    """Whether the backward of ``config`` copies Q and dO tiles by tensor copies (TMA), taking their tensor maps
+    (``kernels/tensor_maps.py``) as its last argument."""
+    return isinstance(config, BackwardWgmmaConfig) and config.tensor_copies
 
 
 def _argtypes(arrays, scalars):
@@ -258,10 +258,10 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
     maps, tail = None, offsets
-    if tensor_copies(config, layout):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
+    if tensor_copies(config):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
         maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x.detach(), config.block_m)
                          for x in (q4, do4)])
-        tail = (torch.from_numpy(maps).to(q.device, non_blocking=True),)
+        tail = (*offsets, torch.from_numpy(maps).to(q.device, non_blocking=True))
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
             mods, tail)
