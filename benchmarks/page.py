@@ -39,8 +39,8 @@ SOURCES = {
     "cold-start": "coldstart-h200-2026-11-27d",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h200-2026-11-28b",
-    "varlen": "varlen-h200-2026-11-28",
+    "variants": "variants-h200-2026-11-28c",
+    "varlen": "varlen-h200-2026-11-28b",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
