@@ -189,6 +189,39 @@ def test_gradients_on_gpu(dtype, head_dim, causal):
     check_gradients(q, k, v, causal)
 
 
+@pytest.mark.gpu
+def test_backward_tensor_maps_are_encoded_once_for_recurring_tensors(monkeypatch):
+    """The wgmma backward's tensor maps of Q and dO (head dim 128 on sm_90) are encoded once for tensors at
+    the same addresses, and again for a step on a busy side stream, which reads its own upload: every
+    step's gradients match float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor copies need sm_90")
+    from numattn.kernels import tensor_maps
+    from numattn.ops import backward as backward_ops
+
+    encoded = []
+    encode = tensor_maps.encode_tile_map
+    monkeypatch.setattr(tensor_maps, "encode_tile_map", lambda *args: encoded.append(args) or encode(*args))
+    backward_ops._tensor_maps.cache_clear()
+    q, k, v = (leaf((1, 4, 300, 128), torch.bfloat16, "cuda") for _ in range(3))
+    do = torch.empty(q.shape, dtype=q.dtype, device="cuda")  # one buffer for every step's output gradient
+    for _ in range(2):
+        for x in (q, k, v):
+            x.grad = None
+        check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
+    assert len(encoded) == 2  # Q's and dO's, in the first step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):  # keep the side stream busy, so that maps read before their copy would show
+            big = big @ big / 64
+        for x in (q, k, v):
+            x.grad = None
+        check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
+    assert len(encoded) == 4
+
+
 def test_example_transformer_trains_like_the_sdpa_model():
     """examples/gqa_transformer.py: two steps of the tiny model with numattn and with SDPA, same weights
     and batches, give the same losses."""

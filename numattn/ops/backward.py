@@ -33,7 +33,7 @@ from ..kernels.constants import LOG2E_F32
 from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
-from ..kernels.tensor_maps import forget, steps_along_every_axis, tile_map
+from ..kernels.tensor_maps import TensorMapCache, forget, steps_along_every_axis, tile_map
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -257,22 +257,46 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
     (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
     grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
-    maps, tail = None, offsets
-    if tensor_copies(config):  # maps of Q and dO for boxes of a query tile's rows, uploaded in stream order
-        maps = np.stack([tile_map(host_storage(x, describe(x, "array")) if SIMULATOR else x.detach(), config.block_m)
-                         for x in (q4, do4)])
-        tail = (*offsets, torch.from_numpy(maps).to(q.device, non_blocking=True))
+    maps = _query_tile_maps(q4, do4, config.block_m, stream) if tensor_copies(config) else ()
     _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
             (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
-            mods, tail)
-    if maps is not None:
-        forget(maps)
+            mods, (*offsets, *maps))
+    if SIMULATOR and maps:
+        forget(maps[0].numpy())
     if not tiled_dq:
         return accumulator.to(q.dtype), dk, dv
     dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
     _launch(specs["dq rows"], -(-dq.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (accumulator, dq_rows), (),
             stream, offsets=offsets[:1])
     return dq, dk, dv
+
+
+def _query_tile_maps(q4, do4, box_rows, stream):
+    """``(maps,)``: the tensor maps of ``q4`` and ``do4`` for boxes of ``box_rows`` rows, ``[2, MAP_WORDS]`` on
+    their GPU, uploaded on ``stream`` in its order. Kept per GPU and layout, by stream and data addresses,
+    which a training loop's tensors keep from step to step; in the simulator made afresh (``forget`` them
+    after the launch)."""
+    import torch
+
+    if SIMULATOR:
+        return (torch.from_numpy(np.stack([tile_map(host_storage(x, describe(x, "array")), box_rows)
+                                           for x in (q4, do4)])),)
+    layouts = tuple((tuple(x.shape), tuple(stride * x.element_size() for stride in x.stride()), box_rows)
+                    for x in (q4, do4))
+    return (_tensor_maps(q4.device.index, layouts).entry(stream, q4.data_ptr(), do4.data_ptr())[0],)
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor_maps(device, layouts):
+    """The cache of the tensor maps of operands of ``layouts`` (each ``(shape, byte strides, box rows)``) on
+    GPU ``device``, uploaded with torch on the launching stream without waiting for it."""
+    import torch
+
+    def upload(maps):
+        on_device = torch.from_numpy(maps).to(torch.device("cuda", device), non_blocking=True)
+        return on_device, on_device.data_ptr()
+
+    return TensorMapCache(layouts, upload)
 
 
 def _cpu_backward(q, k, v, o, lse, do, causal, scale, options, alibi, sequences):
