@@ -196,12 +196,16 @@ def test_backward_tensor_maps_are_encoded_once_for_recurring_tensors(monkeypatch
     step's gradients match float64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("tensor copies need sm_90")
-    from numattn.kernels import tensor_maps
     from numattn.ops import backward as backward_ops
 
-    encoded = []
-    encode = tensor_maps.encode_tile_map
-    monkeypatch.setattr(tensor_maps, "encode_tile_map", lambda *args: encoded.append(args) or encode(*args))
+    caches = []  # the backward's caches of tensor maps, one per layout
+
+    class Recorded(backward_ops.TensorMapCache):
+        def __init__(self, *args):
+            super().__init__(*args)
+            caches.append(self)
+
+    monkeypatch.setattr(backward_ops, "TensorMapCache", Recorded)
     backward_ops._tensor_maps.cache_clear()
     q, k, v = (leaf((1, 4, 300, 128), torch.bfloat16, "cuda") for _ in range(3))
     do = torch.empty(q.shape, dtype=q.dtype, device="cuda")  # one buffer for every step's output gradient
@@ -209,7 +213,7 @@ def test_backward_tensor_maps_are_encoded_once_for_recurring_tensors(monkeypatch
         for x in (q, k, v):
             x.grad = None
         check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
-    assert len(encoded) == 2  # Q's and dO's, in the first step
+    assert [len(cache.entries) for cache in caches] == [1]  # encoded in the first step
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -219,7 +223,7 @@ def test_backward_tensor_maps_are_encoded_once_for_recurring_tensors(monkeypatch
         for x in (q, k, v):
             x.grad = None
         check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
-    assert len(encoded) == 4
+    assert [len(cache.entries) for cache in caches] == [2]
 
 
 def test_example_transformer_trains_like_the_sdpa_model():
