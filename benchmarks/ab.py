@@ -6,8 +6,8 @@
 package is exported (``git archive``) or copied into a temporary directory and imported as
 ``numattn_base`` beside the working tree's ``numattn`` (the package imports itself relatively, so the
 copy runs as it was). Each case runs once in each package
-(outputs compared), then both are timed in turns, five rounds after the GPU's clocks are warmed:
-per round the median of CUDA-event timings with the L2 cache flushed. A restructuring that should
+(outputs compared), then both are timed in turns, five rounds after the GPU's clocks are warmed (the base
+first in every other round): per round the median of CUDA-event timings with the L2 cache flushed. A restructuring that should
 change nothing shows ratios within noise (about ±2%).
 
 Cases: prefill (B4 H32 L4096 D128 bf16 and B8 H16 L2048 D64 fp16, causal and not; B4 H16 L4096 D256 bf16
@@ -195,8 +195,8 @@ def main(argv=None):
         for row, calls in zip(rows, table.values(), strict=True):
             times = {pkg: [] for pkg in calls}
             repeat = 5 if "backward" in row["case"] else 20
-            for _ in range(args.rounds):
-                for pkg, call in calls.items():
+            for round_ in range(args.rounds):  # every other round the new package first
+                for pkg, call in list(calls.items())[::-1 if round_ % 2 else 1]:
                     times[pkg].append(cuda_time_ms(call, repeat=repeat) * 1e3)
             row["base_us"], row["new_us"] = (statistics.median(ts) for ts in times.values())
             row["ratio"] = row["new_us"] / row["base_us"]

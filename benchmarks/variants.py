@@ -31,13 +31,14 @@ def rows_of_pairs(seqlen, left):
 
 
 def timed_in_turns(torch, calls, rounds=5):
-    """``{name: median ms}`` of ``cuda_time_ms`` of each of ``calls``, the calls taking turns round by round."""
+    """``{name: median ms}`` of ``cuda_time_ms`` of each of ``calls``, the calls taking turns round by round, in
+    the reverse order every other round."""
     from numattn.bench import cuda_time_ms, warm_clocks
 
     warm_clocks(torch, 2.0)
     times = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    for round_ in range(rounds):
+        for name, call in list(calls.items())[::-1 if round_ % 2 else 1]:
             times[name].append(cuda_time_ms(call, repeat=10))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
