@@ -94,9 +94,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     ``tensor_copies`` (a producer, tiles of whole pages (``tensor_maps.key_box_rows``), one run of keys, K as it
     lies): the producer's first thread copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column
     panel per copy, from the tensor maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and
-    V's of ``key_box_rows``: a tile's, or with smaller pages a page's), the kernel's last argument. A packed sequence's last K/V tile, when it runs past the sequence's keys, is copied
-    by the whole producer warpgroup with ``cp.async``, whose rows past the end read 0: a box would read the next
-    sequence's rows, and a value there that is not finite would turn this sequence's ``0 · V`` into NaN.
+    V's of ``key_box_rows``: a tile's, or with smaller pages a page's), the kernel's last argument. A packed
+    sequence's last K/V tile, when it runs past the sequence's keys, is copied by the whole producer warpgroup
+    with ``cp.async``, whose rows past the end read 0: a box would read the next sequence's rows, and a value
+    there that is not finite would turn this sequence's ``0 · V`` into NaN.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
