@@ -1,5 +1,7 @@
 """Input construction and comparison shared by the tests."""
 
+import contextlib
+
 import numpy as np
 
 from numattn import reference
@@ -96,3 +98,17 @@ class OnlyDLPack:
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
+
+
+@contextlib.contextmanager
+def on_busy_side_stream(torch):
+    """Run the block on a new CUDA stream (after the current stream's queued work) that is kept busy by
+    large matrix products queued first: work on the wrong stream, or reading data before its copy on this
+    one, races and shows."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):
+            big = big @ big / 64
+        yield stream

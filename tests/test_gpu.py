@@ -9,7 +9,7 @@ import numattn
 from numattn import reference
 
 from conftest import ATOL
-from helpers import OnlyDLPack, as_dtype, max_error, random_qkv
+from helpers import OnlyDLPack, as_dtype, max_error, on_busy_side_stream, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -195,12 +195,7 @@ def test_tensor_maps_are_uploaded_on_each_stream(rng):
     q, k, v = cuda_qkv(rng, "bfloat16", 4, 16, 16, 1024, 1024, 128)
     assert _slow_path(q, k, v, None, True, None, "bhsd", False, (None,) * 4)[0].tensor_maps is not None
     expected = reference.attention(q, k, v, causal=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        big = torch.randn(4096, 4096, device="cuda")
-        for _ in range(4):  # keep the side stream busy, so that maps read before their copy would show
-            big = big @ big / 64
+    with on_busy_side_stream(torch):  # maps read before their copy would show
         on_side = numattn.attention(q, k, v, causal=True)
     on_default = numattn.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
@@ -210,12 +205,7 @@ def test_tensor_maps_are_uploaded_on_each_stream(rng):
 
 def test_runs_on_torch_current_stream(rng):
     q, k, v = cuda_qkv(rng, "float16", 1, 8, 8, 512, 512, 64)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        big = torch.randn(4096, 4096, device="cuda")
-        for _ in range(4):  # keep the side stream busy so that a wrong stream would race
-            big = big @ big / 64
+    with on_busy_side_stream(torch) as stream:  # a wrong stream would race
         o = numattn.attention(q, k, v)
         checksum = o.float().sum()
     stream.synchronize()

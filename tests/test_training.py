@@ -8,6 +8,8 @@ import numattn  # noqa: E402
 import numattn.torch as nt  # noqa: E402
 from numattn.configs.backward import BackwardWgmmaConfig  # noqa: E402
 
+from helpers import on_busy_side_stream  # noqa: E402
+
 GRAD_ATOL = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}
 
 
@@ -214,12 +216,7 @@ def test_backward_tensor_maps_are_encoded_once_for_recurring_tensors(monkeypatch
             x.grad = None
         check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
     assert [len(cache.entries) for cache in caches] == [1]  # encoded in the first step
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        big = torch.randn(4096, 4096, device="cuda")
-        for _ in range(4):  # keep the side stream busy, so that maps read before their copy would show
-            big = big @ big / 64
+    with on_busy_side_stream(torch):  # maps read before their copy would show
         for x in (q, k, v):
             x.grad = None
         check_gradients(q, k, v, causal=True, output_gradient=lambda o: do.copy_(torch.randn_like(o)))
