@@ -183,6 +183,14 @@ def torch_current():
     return device, raw if raw is not None else (lambda d: torch.cuda.current_stream(d).cuda_stream)
 
 
+def upload_on_torch_stream(host, device):
+    """``(tensor, address)``: the numpy array ``host`` copied to GPU ``device`` on torch's current stream, in
+    the order of its work and without waiting for it (staged from host memory at once)."""
+    torch = _torch()
+    on_device = torch.from_numpy(host).to(torch.device("cuda", device), non_blocking=True)
+    return on_device, on_device.data_ptr()
+
+
 def storage_dtype(dtype):
     """numpy dtype that carries elements of ``dtype`` inside kernels (16-bit floats as uint16)."""
     return np.dtype(_STORAGE[dtype])

@@ -21,6 +21,7 @@ from .._arrays import (
     rounded_storage,
     storage_dtype,
     torch_current,
+    upload_on_torch_stream,
     wrap_host,
 )
 from .._cuda import SIMULATOR, cuda, simulating
@@ -459,10 +460,7 @@ class _TorchPlan(_DevicePlan):
 
     def _upload_maps(self, maps):
         """The tensor maps copied on torch's current stream, without waiting for it: ``(tensor, address)``."""
-        import torch
-
-        on_device = torch.from_numpy(maps).to(torch.device("cuda", self.device), non_blocking=True)
-        return on_device, on_device.data_ptr()
+        return upload_on_torch_stream(maps, self.device)
 
     def maps_pointer(self, q, k, v):
         """``()``, or with tensor copies the device address of the tensor maps of Q, K and V at these addresses,

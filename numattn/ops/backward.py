@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from numba import types
 
-from .._arrays import describe, host_storage, storage_dtype
+from .._arrays import describe, host_storage, storage_dtype, upload_on_torch_stream
 from .._cuda import SIMULATOR, simulating
 from ..configs.backward import (
     BackwardMmaConfig,
@@ -290,13 +290,7 @@ def _query_tile_maps(q4, do4, box_rows, stream):
 def _tensor_maps(device, layouts):
     """The cache of the tensor maps of operands of ``layouts`` (each ``(shape, byte strides, box rows)``) on
     GPU ``device``, uploaded with torch on the launching stream without waiting for it."""
-    import torch
-
-    def upload(maps):
-        on_device = torch.from_numpy(maps).to(torch.device("cuda", device), non_blocking=True)
-        return on_device, on_device.data_ptr()
-
-    return TensorMapCache(layouts, upload)
+    return TensorMapCache(layouts, functools.partial(upload_on_torch_stream, device=device))
 
 
 def _cpu_backward(q, k, v, o, lse, do, causal, scale, options, alibi, sequences):
