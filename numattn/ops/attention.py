@@ -338,11 +338,10 @@ def _attention_kernel(p, device, config=None, splits=1):
     if blocks > _MAX_GRID:
         raise ValueError(f"problem too large: {blocks} thread blocks exceed the grid limit")
     flags = {}
-    layout = DENSE if p.sequences is None else p.sequences.layout
     if kind is WgmmaConfig:
         flags = {"aligned_out": p.aligned_out, "split": splits > 1, "k_transposed": p.transposed_k_loads,
                  # the producer's copies by TMA: tiles of whole pages, one run of keys, K as it lies
-                 "tensor_copies": (config.producer and key_box_rows(layout, config.block_n) > 0
+                 "tensor_copies": (config.producer and map_rows(p, config)[1] > 0
                                    and splits == 1 and not p.transposed_k_loads and p.tensor_mappable)}
     if kind is MmaConfig:
         flags = {"split": splits > 1, "k_transposed": p.transposed_k_loads,
