@@ -28,7 +28,7 @@ nothing to dK or dV and their dQ rows are not written.
 import functools
 
 import numpy as np
-from numba import float32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32
 
 from .._cuda import cuda
 from .constants import LOG2E_F32
@@ -53,6 +53,7 @@ from .tiles import PAD, row_major_cell, tile_copier, tile_view
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+_NEG_INF = np.float32(-np.inf)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,22 +96,28 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
         # two passes: with the mask test inside, every tile would run it as predicated code. Entries e and e + 2
         # share query column 8n + 2t + e % 2, whose lse2 and delta each n8 tile loads once.
         if masked:
+            # In 32 bits (positions stay below 2^31): entry (n, e) has key − position = lag − step(n, e), with
+            # step a constant of the unrolled loop, and is a key iff 8 (e // 2) < keys_left.
+            lag = int32(key0 + g - (m0 + 2 * t + diagonal))
+            keys_left = int32(seqlen_kv - (key0 + g))
             for n in range(MTILES):
                 lse2_pair, delta_pair = column_rows(rows, n, t)
                 for e in range(4):
                     lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
-                    key = key0 + g + 8 * (e // 2)
-                    position = m0 + 8 * n + 2 * t + e % 2 + diagonal
-                    visible = key < seqlen_kv and not (CAUSAL and key > position)
+                    ahead = lag - int32(8 * n + e % 2 - 8 * (e // 2))  # key − position
+                    visible = int32(8 * (e // 2)) < keys_left
+                    if CAUSAL:
+                        visible &= ahead <= int32(0)
                     if WINDOW:
-                        visible = visible and position - terms[0] <= key <= position + terms[1]
+                        visible &= (ahead >= -int32(terms[0])) & (ahead <= int32(terms[1]))
                     if ELEMENTWISE:  # a masked score may be anything: the gradient is selected, not scaled
                         distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
                         p, ds = gradient(s[0, n, e] * scale_log2, dp[0, n, e], lse2, delta, distance, terms)
                         s[0, n, e] = p if visible else _ZERO
                         dp[0, n, e] = ds if visible else _ZERO
                     else:
-                        p = ex2_approx(s[0, n, e] * scale_log2 - lse2) if visible else _ZERO
+                        # the exponent selected, not the exponential: one unpredicated ex2 per entry
+                        p = ex2_approx(s[0, n, e] * scale_log2 - lse2 if visible else _NEG_INF)
                         s[0, n, e] = p
                         dp[0, n, e] = p * (dp[0, n, e] - delta)
         elif ELEMENTWISE:
