@@ -104,14 +104,15 @@ def gradient_steps(mtiles, causal, dtype, num_threads, mods=NO_MODS, first_copie
                 lse2_pair, delta_pair = column_rows(rows, n, t)
                 for e in range(4):
                     lse2, delta = (lse2_pair[1], delta_pair[1]) if e % 2 else (lse2_pair[0], delta_pair[0])
-                    ahead = lag - int32(8 * n + e % 2 - 8 * (e // 2))  # key − position
+                    step = 8 * n + e % 2 - 8 * (e // 2)  # a constant of the unrolled loop
+                    ahead = lag - int32(step)  # key − position
                     visible = int32(8 * (e // 2)) < keys_left
                     if CAUSAL:
                         visible &= ahead <= int32(0)
                     if WINDOW:
                         visible &= (ahead >= -int32(terms[0])) & (ahead <= int32(terms[1]))
                     if ELEMENTWISE:  # a masked score may be anything: the gradient is selected, not scaled
-                        distance = abs(offset + float32(8 * n + e % 2 - 8 * (e // 2)))
+                        distance = abs(offset + float32(step))
                         p, ds = gradient(s[0, n, e] * scale_log2, dp[0, n, e], lse2, delta, distance, terms)
                         s[0, n, e] = p if visible else _ZERO
                         dp[0, n, e] = ds if visible else _ZERO
