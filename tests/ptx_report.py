@@ -26,6 +26,7 @@ from numba import cuda, types  # noqa: E402
 from numattn.configs.attention import (
     SEQUENCES_REGISTERS,  # noqa: E402
     SimtConfig,  # noqa: E402
+    WgmmaConfig,  # noqa: E402
     choose_mma_config,  # noqa: E402
     choose_wgmma_config,  # noqa: E402
     wgmma_configs,  # noqa: E402
@@ -115,6 +116,11 @@ def variants():
     kernel = wgmma_attention_kernel(choose_wgmma_config(128, 128, 227 * 1024), "bfloat16", 128, 128, True, True, True,
                                     tensor_copies=True)
     yield "wgmma-bfloat16-causal1-d128-tensor-copies", kernel, SIGNATURE[types.uint16] + (types.Array(types.uint64, 2, "A"),)
+    # a persistent block: query tile after query tile, K and V in split rings
+    kernel = wgmma_attention_kernel(WgmmaConfig(128, 2, 2, producer=True, persistent=True), "bfloat16", 128, 128, True,
+                                    True, True, tensor_copies=True)
+    yield ("wgmma-bfloat16-causal1-d128-persistent-tensor-copies", kernel,
+           SIGNATURE[types.uint16] + (types.Array(types.uint64, 2, "A"),))
     # every score modification at once: sliding window, softcap, ALiBi, sinks
     for head_dim in (64, 128):
         mma_config = choose_mma_config(head_dim, head_dim, 227 * 1024)

@@ -174,14 +174,16 @@ def test_tensor_core_configurations(rng, monkeypatch, fresh_plans, config):
 @pytest.mark.parametrize(
     "config",
     [dict(block_n=16, warpgroups=1, stages=2), dict(block_n=32, warpgroups=2, stages=3),
-     dict(block_n=16, warpgroups=2, stages=2, producer=True)],
-    ids=["1group-2stages", "2groups-3stages", "2groups-producer"],
+     dict(block_n=16, warpgroups=2, stages=2, producer=True),
+     dict(block_n=16, warpgroups=2, stages=2, producer=True, persistent=True)],
+    ids=["1group-2stages", "2groups-3stages", "2groups-producer", "2groups-persistent"],
 )
 def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
     """The warpgroup (wgmma) kernel, which sm_90 GPUs run by default, in the simulator: GQA, causal,
     lengths off the tiles, several key tiles per block (ring of stages, turns of the warpgroups, tiles copied
-    by every thread or by a producer warpgroup); the output staged through shared memory into a fresh array (16-byte stores) or into a misaligned
-    view (element stores), or, when head_dim_v > head_dim, stored from registers."""
+    by every thread or by a producer warpgroup, in a persistent block one query tile after another); the
+    output staged through shared memory into a fresh array (16-byte stores) or into a misaligned view
+    (element stores), or, when head_dim_v > head_dim, stored from registers."""
     import torch
 
     from numattn.configs.attention import WgmmaConfig
@@ -218,6 +220,37 @@ def test_wgmma_producer_where_it_fits():
     for head_dim in (64, 256):
         dense, packed = (choose_wgmma_config(head_dim, head_dim, 227 * 1024, extra) for extra in (0, SEQUENCES_REGISTERS))
         assert packed == dense, head_dim
+
+
+def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
+    """On an H100 the default takes a persistent block (``WgmmaConfig.persistent``) where every query tile visits
+    at most ``PERSISTENT_KEYS`` keys (a window, short sequences) and the keys are dense and read by tensor copies,
+    and a block per query tile elsewhere; a persistent configuration asked for where it cannot run is refused,
+    naming why."""
+    from numattn.configs import attention as configs
+    from numattn.ops.attention import make_plan, validate
+    from numattn.ops.varlen import validate_varlen
+
+    monkeypatch.setattr(configs, "SIMULATOR", False)  # the wgmma kernel as a GPU's default, not the simulator's
+    h100 = {"name": "H100", "cc": (9, 0), "sms": 132, "max_shared": 227 * 1024, "dram_gbs": 3350.0}
+
+    def default(seqlen, causal=True, window=None, transposed=False, head_dim=128):
+        q = np.zeros((1, 2, seqlen, head_dim), np.float16)
+        k = np.zeros((1, 2, head_dim, seqlen), np.float16).swapaxes(2, 3) if transposed else q
+        return configs.default_choice(validate(q, k, q, None, causal, None, "bhsd", False, window=window), h100)
+
+    persistent = WgmmaConfig(128, 2, 2, producer=True, persistent=True)
+    assert default(8192, window=(1024, 0)) == (persistent, 1)
+    assert default(1024) == default(2048, causal=False) == (persistent, 1)
+    assert default(8192) == default(8192, window=(4096, 0)) == (WgmmaConfig(128, 2, 3, producer=True), 1)
+    assert not any(getattr(default(1024, **other)[0], "persistent", False)
+                   for other in ({"transposed": True}, {"head_dim": 64}))  # mma.sync; wgmma without a producer
+
+    q = np.zeros((10, 2, 128), np.float16)
+    cu = np.array([0, 4, 10], np.int32)
+    packed = validate_varlen(q, q, q, cu, cu, 6, 6, None, True, None, False)
+    with pytest.raises(ValueError, match="persistent block takes dense sequences"):
+        make_plan(packed, persistent)
 
 
 @pytest.mark.parametrize("config", [WgmmaConfig(128, 2, 3, producer=True), WgmmaConfig(64, 3, 4, producer=True),

@@ -128,7 +128,7 @@ def test_key_splits_merged_in_clusters_and_by_the_last_block(rng, monkeypatch, c
 def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, transposed):
     """Every wgmma configuration, those without a producer also over 2 to 16 runs of keys merged by each query
     tile's last block; K given with its rows contiguous or transposed (keys contiguous: the configurations of
-    key tiles in multiples of 64); with a sliding window and sinks (the first run's alone); 150 query rows
+    key tiles in multiples of 64 that are not persistent); with a sliding window and sinks (the first run's alone); 150 query rows
     end mid-tile, 419 keys mid-run; the output is poisoned first."""
     from numattn.configs.attention import splits_keys, wgmma_configs
     from numattn.ops.attention import make_plan, validate
@@ -150,7 +150,7 @@ def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, tran
     finite = np.isfinite(ref_lse)
     problem = validate(q, k, v, None, causal, 0.125, "bhsd", True, window=window, sinks=sinks)
     assert problem.transposed_k_loads == transposed
-    configs = [c for c in wgmma_configs(head_dim, head_dim) if not (transposed and c.block_n % 64)]
+    configs = [c for c in wgmma_configs(head_dim, head_dim) if not (transposed and (c.block_n % 64 or c.persistent))]
     for config in configs:
         for splits in (1, 2, 3, 4, 7, 16) if splits_keys(config) else (1,):
             out = torch.full((2, 4, 150, head_dim), float("nan"), dtype=torch_dtype, device="cuda")
@@ -158,6 +158,34 @@ def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, tran
             assert max_error(o, ref_o) <= ATOL[dtype], (config, splits)
             assert np.array_equal(np.isfinite(lse.cpu().numpy()), finite)
             assert np.abs(lse.cpu().numpy()[finite] - ref_lse[finite]).max() <= 1e-4, (config, splits)
+
+
+@pytest.mark.parametrize("window, alibi", [(None, False), ((300, 0), False), ((200, 17), True)])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_kv", [(2, 150, 419), (3, 2000, 2000), (1, 700, 4100)])
+def test_a_persistent_block_computes_each_tile_as_a_block_of_its_own_does(rng, window, alibi, batch, seqlen_q,
+                                                                          seqlen_kv):
+    """A persistent block (a block per SM taking query tile after query tile, the next Q copied into a second
+    buffer, the ring of stages running on) gives bit for bit the output and LSE of the same tiles with a block
+    per query tile, on grids of fewer tiles than SMs and of several tiles per SM; causal, a window, ALiBi and
+    sinks, GQA, lengths that end mid-tile; the outputs are poisoned first."""
+    from numattn.configs.attention import WgmmaConfig
+    from numattn.ops.attention import make_plan, validate
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+    q, k, v = cuda_qkv(rng, "bfloat16", batch, 8, 2, seqlen_q, seqlen_kv, 128)
+    slopes = torch.from_numpy(rng.uniform(0.01, 0.5, 8).astype(np.float32)).cuda() if alibi else None
+    sinks = torch.from_numpy(rng.standard_normal(8, dtype=np.float32)).cuda()
+    problem = validate(q, k, v, None, True, 0.088, "bhsd", True, window=window, alibi_slopes=slopes, sinks=sinks)
+    results = []
+    for config in (WgmmaConfig(128, 2, 2, producer=True), WgmmaConfig(128, 2, 2, producer=True, persistent=True)):
+        out = torch.full_like(q, float("nan"))
+        o, lse = make_plan(problem, config)(q, k, v, out, slopes, sinks)
+        results.append((o, lse))
+    (o, lse), (o_persistent, lse_persistent) = results
+    assert torch.equal(o_persistent, o) and torch.equal(lse_persistent, lse)
+    ref_o = reference.attention(q, k, v, causal=True, scale=0.088, window=window, alibi_slopes=slopes, sinks=sinks)
+    assert max_error(o, ref_o) <= ATOL["bfloat16"]
 
 
 @pytest.mark.parametrize("causal", [False, True])

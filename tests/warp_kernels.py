@@ -438,9 +438,10 @@ def last_block_sum_kernel(values, counters, totals, launch):
 
 @cuda.jit
 def grid_order_kernel(places, heads, group_size, head_bytes):
-    """Block ``i`` writes its place in a forward grid, ``query_tile(heads, group_size, head_bytes)``, into
-    ``places[i]``."""
-    places[cuda.blockIdx.x, 0], places[cuda.blockIdx.x, 1] = query_tile(heads, group_size, head_bytes)
+    """Block ``i`` of ``blocks`` writes its place in a forward grid, ``query_tile(heads, group_size, head_bytes, i,
+    blocks)``, into ``places[i]``."""
+    places[cuda.blockIdx.x, 0], places[cuda.blockIdx.x, 1] = query_tile(heads, group_size, head_bytes, cuda.blockIdx.x,
+                                                                          cuda.gridDim.x)
 
 
 @functools.lru_cache(maxsize=None)

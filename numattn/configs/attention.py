@@ -2,7 +2,7 @@
 candidates worth trying, the register estimate and device fit, and the heuristic's default choice.
 The kernels (``kernels/attention_*.py``) take a configuration and read its fields."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .._arrays import storage_dtype
 from .._cuda import SIMULATOR
@@ -181,17 +181,26 @@ class WgmmaConfig(registers.WarpgroupBlock):
     ``warpgroups`` warpgroups of 64 query rows each, so ``block_m = 64 · warpgroups``;
     keys stream in tiles of ``block_n`` through ``stages`` shared-memory buffers. ``producer``: one more
     warpgroup copies the tiles, with ``PRODUCER_REGISTERS`` registers per thread, and the others take the
-    rest of the register file (``consumer_registers``).
+    rest of the register file (``consumer_registers``). ``persistent`` (with a producer): a block per SM takes
+    query tile after query tile, the next tile's Q copied into a second buffer while the block computes the
+    current one, and the ring of K/V stages runs on from tile to tile.
     """
 
     block_n: int = 128
     warpgroups: int = 2
     stages: int = 3
     producer: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
-        if self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3 or not 2 <= self.stages <= 4:
+        if (self.block_n % 16 or not 16 <= self.block_n <= 256 or not 1 <= self.warpgroups <= 3
+                or not 2 <= self.stages <= 4 or self.persistent and not self.producer):
             raise ValueError(f"inconsistent wgmma tile configuration {self}")
+
+    @property
+    def query_buffers(self):
+        """Q tiles in shared memory: the current one and, in a persistent block, the next."""
+        return 2 if self.persistent else 1
 
     @property
     def block_m(self):
@@ -215,8 +224,8 @@ class WgmmaConfig(registers.WarpgroupBlock):
         return (self.consumer_registers if self.producer else self.max_registers) + REGISTER_SLACK
 
     def shared_bytes(self, head_dim, head_dim_v):
-        """Q tile plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
-        return 2 * (self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
+        """Q tiles plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
+        return 2 * (self.query_buffers * self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
 
 
 # Calibration (ptxas 13, sm_90a, fp16, causal with LSE, 3 stages, 2026-11-23; head dims 64, 128 and
@@ -263,12 +272,14 @@ _WGMMA_CANDIDATES = {
 # the heuristic's): with four key splits on Mirage's GQA graph (head dim 64, 256 queries, 4096 keys; H200)
 # 27.3 µs at b = 8 against 33.3 for three warpgroups of 96-key tiles (docs/notes/w6-key-splits-2026-11-26.md)
 _WGMMA_SHORT_QUERY_BLOCKS = {64: (WgmmaConfig(128, 2, 3), WgmmaConfig(128, 1, 3))}
+# Persistent blocks (``default_choice`` takes them where query tiles visit few keys)
+_WGMMA_PERSISTENT = {128: (WgmmaConfig(128, 2, 2, producer=True, persistent=True),)}
 
 
 def wgmma_configs(head_dim, head_dim_v):
     """The tile configurations worth trying for these head dims, the heuristic's preference first."""
     widest = max(head_dim, head_dim_v)
-    return _WGMMA_CANDIDATES[widest] + _WGMMA_SHORT_QUERY_BLOCKS.get(widest, ())
+    return _WGMMA_CANDIDATES[widest] + _WGMMA_SHORT_QUERY_BLOCKS.get(widest, ()) + _WGMMA_PERSISTENT.get(widest, ())
 
 
 def producer_fits(mods):
@@ -282,7 +293,7 @@ def choose_wgmma_config(head_dim, head_dim_v, max_shared_bytes, extra_registers=
     """Heuristic tile choice: the first candidate for the head dims that fits the device's shared memory
     and the registers (``extra_registers`` beyond the estimate: a kernel of packed or paged sequences; the
     score modifications ``mods``)."""
-    candidates = wgmma_configs(head_dim, head_dim_v)
+    candidates = [config for config in wgmma_configs(head_dim, head_dim_v) if not config.persistent]
     for config in candidates:
         pressure = config.register_pressure(head_dim, head_dim_v) + extra_registers
         if (config.shared_bytes(head_dim, head_dim_v) <= max_shared_bytes and pressure <= config.register_pressure_limit
@@ -339,6 +350,19 @@ def problem_shared_bytes(p, config):
 
 SPLITTING = WgmmaConfig(128, 2, 3)  # the default's tiles where it splits the keys of a short grid
 SPLIT_KEY_TILES = 8  # key tiles each run keeps at least, where the default splits the keys
+# Keys a query tile visits at most where the default takes a persistent block (``WgmmaConfig.persistent``): there
+# a block's fixed cost (its start, its first copies, its output) weighs on few key tiles. Persistent (two split
+# stages) over the default's time (bf16 D128 H16, H100, docs/notes/persistent-forward-2026-12-06.md): causal
+# window 1024 at L8192 0.869, L1024 causal 0.952 and not 0.955; more keys: L8192 not causal 0.995, causal
+# 1.081, window 4096 at L32768 1.036.
+PERSISTENT_KEYS = 2048
+
+
+def visited_keys(p, config):
+    """The most keys a query tile of ``config``'s visits in problem ``p``: all of them, or under a window its
+    width and the tile's rows."""
+    left, right = p.options.window or (p.seqlen_kv, p.seqlen_kv)
+    return min(p.seqlen_kv, left + right + config.block_m)
 
 
 def default_choice(p, limits):
@@ -352,15 +376,22 @@ def default_choice(p, limits):
     slower) alone (docs/attention.md, "Few query tiles, many keys"). Packed and paged sequences count
     their longest (``max_seqlen_q``, ``max_seqlen_k``): on an H100 four of 256 queries over 16384 keys (H8
     D128 bf16 causal) took 159 µs in 2 runs per query tile against 236 in one (the padded batch 158), one of
-    128 over 32768 98 µs in 16 runs against 458."""
+    128 over 32768 98 µs in 16 runs against 458. Otherwise, where every query tile of the default's wgmma kernel
+    with a producer visits at most ``PERSISTENT_KEYS`` keys and the keys are dense and copied by tensor copies,
+    a persistent block per SM takes the query tiles in turn (``WgmmaConfig.persistent``)."""
     config = default_config(p, limits)
-    if (not isinstance(config, WgmmaConfig) or max(p.head_dim, p.head_dim_v) > 128 or p.options.mods.window
-            or p.seqlen_kv < 4 * p.seqlen_q or misfit(p, SPLITTING, limits) is not None):
-        return config, 1
-    tiles = p.batch * p.heads_q * -(-p.seqlen_q // SPLITTING.block_m)
-    key_tiles = -(-p.seqlen_kv // SPLITTING.block_n)  # two runs or more need tiles ≤ SMs / 2
-    fitting = [n for n in KEY_SPLITS if tiles * n <= limits["sms"] and key_tiles >= SPLIT_KEY_TILES * n]
-    return (SPLITTING, max(fitting)) if fitting else (config, 1)
+    if (isinstance(config, WgmmaConfig) and max(p.head_dim, p.head_dim_v) <= 128 and not p.options.mods.window
+            and p.seqlen_kv >= 4 * p.seqlen_q and misfit(p, SPLITTING, limits) is None):
+        tiles = p.batch * p.heads_q * -(-p.seqlen_q // SPLITTING.block_m)
+        key_tiles = -(-p.seqlen_kv // SPLITTING.block_n)  # two runs or more need tiles ≤ SMs / 2
+        fitting = [n for n in KEY_SPLITS if tiles * n <= limits["sms"] and key_tiles >= SPLIT_KEY_TILES * n]
+        if fitting:
+            return SPLITTING, max(fitting)
+    if isinstance(config, WgmmaConfig) and config.producer and visited_keys(p, config) <= PERSISTENT_KEYS:
+        persistent = replace(config, stages=2, persistent=True)
+        if misfit(p, persistent, limits) is None:
+            return persistent, 1
+    return config, 1
 
 
 def tile_candidates(problem, pruned=None):
@@ -393,6 +424,9 @@ def misfit(p, config, limits):
     """Why ``config`` does not fit problem ``p`` on this device, or None."""
     if isinstance(config, WgmmaConfig) and p.transposed_k_loads and config.block_n % 64:
         return "K read transposed takes key tiles in multiples of 64"
+    if isinstance(config, WgmmaConfig) and config.persistent and not (
+            p.sequences is None and not p.transposed_k_loads and p.tensor_mappable):
+        return "a persistent block takes dense sequences that tensor copies read (K as it lies, 16-byte aligned rows)"
     shared = problem_shared_bytes(p, config)
     if shared > limits["max_shared"]:
         return f"needs {shared} bytes of shared memory, the device allows {limits['max_shared']}"

@@ -98,7 +98,8 @@ def simt_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_lse
     @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts,
                maps):  # no tensor copies: maps ()
-        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
+        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL,
+                                                                                         cuda.blockIdx.x, cuda.gridDim.x)
         if VARLEN and m0 < 0:
             return  # past the sequence's rows
         smem = cuda.shared.array(0, float32)

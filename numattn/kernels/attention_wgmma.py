@@ -22,6 +22,13 @@ tensor cores (a ring of named barriers orders their issues), so that one's
 softmax overlaps the others' products: FlashAttention-3's ping-pong schedule,
 and with a producer its overlap within a warpgroup too.
 
+A ``persistent`` configuration launches a block per SM, each taking query tile after query tile (rounds of the
+grid's tiles, forwards and backwards in turn): its producer copies the next tile's Q into a second buffer while
+the current one is computed, the ring of K/V stages and the warpgroups' turns run on from tile to tile, and K
+and V take rings of their own, so that a stage's next K is copied as soon as its scores are done. Where query
+tiles see few keys this hides most of a block's start and end (its first copies, its first and last products,
+its output), which a block per tile pays in full.
+
 Head dims must be multiples of 64 (whole swizzle panels), inputs 16-bit with
 contiguous, 16-byte aligned rows.
 """
@@ -123,15 +130,25 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     # parity, and the tiles' row counts): numba would type and lower the tile copier and sw128_cell once more
     # for each literal value
     Q_VIEW_ROW = np.int64(0)
-    K_ROW0 = BLOCK_M * D // 64
+    PERSISTENT, Q_BUFFERS = config.persistent, config.query_buffers
+    Q_ROWS = BLOCK_M * D // 64
+    K_ROW0 = Q_BUFFERS * Q_ROWS
     K_ROWS = BLOCK_N * D // 64
     V_ROW0 = K_ROW0 + STAGES * K_ROWS
     V_ROWS = BLOCK_N * DV // 64
     VIEW_ROWS = V_ROW0 + STAGES * V_ROWS
     V_PANEL = 64 * BLOCK_N  # elements between the 64-column panels of a V tile
-    # mbarriers: FULL + s (stage s loaded), EMPTY + s (stage s read by every computing thread), Q_FULL
+    # mbarriers: FULL + s (stage s loaded), EMPTY + s (stage s read by every computing thread), Q_FULL + i (Q
+    # buffer i loaded), in a persistent block Q_FREE + i (buffer i's output tile written out by every computing
+    # thread). A persistent block's K and V tiles take split rings (as FlashAttention-3's do), so that a stage's K
+    # is copied again once its scores are done, before its V is read: FULL + s then counts the K tile in, V_FULL + s
+    # the V tile, K_EMPTY + s the K tile read, EMPTY + s the V tile read
+    SPLIT_RING = PERSISTENT
     FULL, EMPTY, Q_FULL = 0, STAGES, 2 * STAGES
-    BARRIERS = 2 * STAGES + 1
+    Q_FREE = Q_FULL + Q_BUFFERS
+    V_FULL = Q_FREE + (Q_BUFFERS if PERSISTENT else 0)
+    K_EMPTY = V_FULL + STAGES
+    BARRIERS = K_EMPTY + STAGES if SPLIT_RING else V_FULL
     TURN = 1  # named barriers TURN + w: warpgroup w may issue its products
     STAGED = DV <= D  # the output tile goes out through the warpgroup's Q rows in shared memory
     STAGED_BARRIER = TURN + GROUPS  # named barriers STAGED_BARRIER + w: warpgroup w's output tile is staged
@@ -146,12 +163,16 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
     TENSOR_COPIES = tensor_copies
+    if PERSISTENT and (not TENSOR_COPIES or VARLEN):
+        raise ValueError(f"a persistent block takes dense sequences copied by tensor copies, got {config}, {sequences}, "
+                         f"tensor_copies={tensor_copies}")
     KV_BOX_ROWS = key_box_rows(sequences, BLOCK_N)  # rows of K and V per tensor copy: a tile's or a page's
     if TENSOR_COPIES and (not PRODUCER or not KV_BOX_ROWS or SPLIT or K_T):
         raise ValueError(f"tensor copies take a producer, tiles of whole pages, one run of keys and K as it lies, "
                          f"got {config}, {sequences}, split={split}, k_transposed={k_transposed}")
     ARRIVALS = 1 if TENSOR_COPIES else COPIERS  # per phase of a FULL or Q_FULL barrier
-    Q_BYTES, KV_BYTES = 2 * BLOCK_M * D, 2 * BLOCK_N * (D + DV)
+    Q_BYTES, K_BYTES, V_BYTES = 2 * BLOCK_M * D, 2 * BLOCK_N * D, 2 * BLOCK_N * DV
+    KV_BYTES = K_BYTES + V_BYTES
     locate = block_locator(sequences)
     bf16 = dtype == "bfloat16"
     wgmma_ss, wgmma_rs = (wgmma_ss_desc_bf16, wgmma_rs_desc_bf16) if bf16 else (wgmma_ss_desc_f16, wgmma_rs_desc_f16)
@@ -208,27 +229,55 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         cp_async_wait_group(0)  # the copies land before their threads leave
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_boxes(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks):
-        """The tensor copies of the Q tile and of the first ``n_blocks`` K/V tiles, by one thread."""
-        mbarrier_expect_tx(bars, Q_FULL, Q_BYTES)
+    def copy_boxes(view, maps, operand, view_row0, columns, kv_at, h_kv, keys, bars, barrier):
+        """The tensor copies of a K (``operand`` 1) or V (2) tile of ``columns`` columns, keys from ``keys``, into
+        view rows from ``view_row0``: one box of rows, or one a page, per 64-column panel, counted by ``barrier``."""
+        for i in range(BLOCK_N // KV_BOX_ROWS):
+            at, row = kv_source(kv_at, keys + i * KV_BOX_ROWS)
+            for p in range(columns // 64):
+                tma_load_box(view, view_row0 + p * BLOCK_N + i * KV_BOX_ROWS, maps, operand, at, h_kv, row, 64 * p,
+                             bars, barrier)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_values(view, bars, maps, kv_at, h_kv, keys, stage, parity):
+        """With split rings: the V tile of keys from ``keys`` into ``stage`` (its use of parity ``parity``) once the
+        stage's previous V is read."""
+        mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
+        mbarrier_expect_tx(bars, V_FULL + stage, V_BYTES)
+        copy_boxes(view, maps, 2, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, V_FULL + stage)
+        mbarrier_arrive(bars, V_FULL + stage)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_boxes(view, bars, maps, q_buffer, q_at, h, q_start, kv_at, h_kv, first, n_blocks, stage, parity):
+        """The tensor copies of the Q tile into Q buffer ``q_buffer`` and of the first ``n_blocks`` K/V tiles into the
+        ring from ``stage`` (its use of parity ``parity``), by one thread: the ring's next stage and parity."""
+        q_full = Q_FULL + q_buffer
+        mbarrier_expect_tx(bars, q_full, Q_BYTES)
         for p in range(D // 64):
-            tma_load_box(view, Q_VIEW_ROW + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, Q_FULL)
-        mbarrier_arrive(bars, Q_FULL)
-        stage, parity = int64(0), int64(0)
+            tma_load_box(view, q_buffer * Q_ROWS + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, q_full)
+        mbarrier_arrive(bars, q_full)
+        last_stage, last_parity = stage, parity
         for j in range(n_blocks):
-            if j >= STAGES:
-                mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
-            mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
-            for i in range(BLOCK_N // KV_BOX_ROWS):  # one box of rows, or one a page, per panel
-                at, row = kv_source(kv_at, first + j * BLOCK_N + i * KV_BOX_ROWS)
-                for p in range(D // 64):
-                    tma_load_box(view, K_ROW0 + stage * K_ROWS + p * BLOCK_N + i * KV_BOX_ROWS, maps, 1, at, h_kv, row,
-                                 64 * p, bars, FULL + stage)
-                for p in range(DV // 64):
-                    tma_load_box(view, V_ROW0 + stage * V_ROWS + p * BLOCK_N + i * KV_BOX_ROWS, maps, 2, at, h_kv, row,
-                                 64 * p, bars, FULL + stage)
-            mbarrier_arrive(bars, FULL + stage)
+            keys = first + j * BLOCK_N
+            if SPLIT_RING:  # K into its stage once its scores are done, the previous tile's V once its P V is
+                mbarrier_wait(bars, K_EMPTY + stage, parity ^ 1)  # (at once for the parity before the first phase)
+                mbarrier_expect_tx(bars, FULL + stage, K_BYTES)
+                copy_boxes(view, maps, 1, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                mbarrier_arrive(bars, FULL + stage)
+                if j > 0:
+                    produce_values(view, bars, maps, kv_at, h_kv, keys - BLOCK_N, last_stage, last_parity)
+            else:
+                if j >= STAGES:
+                    mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
+                mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
+                copy_boxes(view, maps, 1, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                copy_boxes(view, maps, 2, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, FULL + stage)
+                mbarrier_arrive(bars, FULL + stage)
+            last_stage, last_parity = stage, parity
             stage, parity = ring_next(stage, parity, STAGES)
+        if SPLIT_RING and n_blocks > 0:
+            produce_values(view, bars, maps, kv_at, h_kv, first + (n_blocks - 1) * BLOCK_N, last_stage, last_parity)
+        return stage, parity
 
     @cuda.jit(device=True, forceinline=True)
     def produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks):
@@ -238,7 +287,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         leader = cuda.threadIdx.x == CONSUMERS
         tail = VARLEN and first + n_blocks * BLOCK_N > nkeys
         if leader:
-            produce_boxes(view, bars, maps, q_at, h, q_start, kv_at, h_kv, first, n_blocks - 1 if tail else n_blocks)
+            produce_boxes(view, bars, maps, Q_VIEW_ROW, q_at, h, q_start, kv_at, h_kv, first,
+                          n_blocks - 1 if tail else n_blocks, int64(0), int64(0))
         if tail:
             j = n_blocks - 1
             stage = j % STAGES
@@ -253,6 +303,48 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival
             if leader:
                 mbarrier_arrive(bars, FULL + stage)
+
+    @cuda.jit(device=True, forceinline=True)
+    def find_tile(q, v, seqs, left, right, block, blocks):
+        """Query tile ``block`` of the launch's ``blocks`` (in ``sequences.block_locator``'s order): ``locate``'s
+        fields less ``n_end``, then the first key of its first key tile and its number of key tiles."""
+        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL,
+                                                                                         block, blocks)
+        first = 0  # the first key of the first tile
+        if WINDOW:
+            first, n_end = window_span(m0, BLOCK_M, seqlen_kv - seqlen_q, seqlen_kv, left, right)
+            first = first // BLOCK_N * BLOCK_N
+        n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
+        if SPLIT:
+            first, n_blocks = split_run(first, n_blocks, n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N,
+                                        BLOCK_N)
+        return b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks
+
+    @cuda.jit(device=True, forceinline=True)
+    def tile_of_round(round_start, backwards):
+        """A persistent block's query tile in the round of the grid's tiles from ``round_start``: the rounds run
+        forwards and backwards in turn (``backwards``: 0 or 1, alternating), so that a block that takes one of a round's longest
+        causal tiles (the first) takes one of the next round's shortest."""
+        return round_start + (cuda.gridDim.x - 1 - cuda.blockIdx.x if backwards else cuda.blockIdx.x)
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_tiles(view, bars, maps, q, v, seqs, left, right, tiles):
+        """A persistent block's producer, its first thread: each of the block's query tiles' Q into the next Q
+        buffer once the output tile staged there two tiles before is written out, then its K/V tiles into the
+        ring as ``produce_boxes`` copies them."""
+        if cuda.threadIdx.x != CONSUMERS:
+            return
+        stage, parity, q_buffer, q_parity = int64(0), int64(0), int64(0), int64(0)
+        for round_start in range(0, tiles, cuda.gridDim.x):
+            block = tile_of_round(round_start, q_buffer)  # (a round's Q buffer alternates)
+            if block >= tiles:
+                break
+            _, h, h_kv, m0, _, _, q_at, q_row0, kv_at, k_row0, first, n_blocks = find_tile(q, v, seqs, left, right,
+                                                                                            block, tiles)
+            mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
+            stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
+                                          n_blocks, stage, parity)
+            q_buffer, q_parity = ring_next(q_buffer, q_parity, Q_BUFFERS)
 
     @cuda.jit(device=True, forceinline=True)
     def release_stage(bars, acc, j, last_stage):
@@ -289,19 +381,20 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         wgmma_commit()
 
     @cuda.jit(device=True, forceinline=True)
-    def store_staged(o, view, acc, b, h, m0, group, seqlen_q, warp, g, t):
-        """Write the warpgroup's output rows through its Q rows in shared memory (free once its last
-        ``P V`` is complete), so that each global store is a whole 16-byte chunk of a row."""
+    def store_staged(o, view, q_view_row, acc, b, h, m0, group, seqlen_q, warp, g, t):
+        """Write the warpgroup's output rows through its Q rows in shared memory (the Q tile's from view row
+        ``q_view_row``, free once its last ``P V`` is complete), so that each global store is a whole 16-byte chunk
+        of a row."""
         for dt in range(DTILES):
             for half in range(2):
-                row, col = sw128_cell(Q_VIEW_ROW, int64(BLOCK_M), 16 * warp + g + 8 * half, 8 * dt)
+                row, col = sw128_cell(q_view_row, int64(BLOCK_M), 16 * warp + g + 8 * half, 8 * dt)
                 st_shared_b32(view, row, col + 2 * t, pack(acc[0, dt, 2 * half], acc[0, dt, 2 * half + 1]))
         barrier_sync(STAGED_BARRIER + group, 128)
         for i in range(cuda.threadIdx.x % 128, 64 * OUT_CHUNKS, 128):
             r = 64 * group + i // OUT_CHUNKS
             c = (i % OUT_CHUNKS) * 8
             if m0 + r < seqlen_q:
-                row, col = sw128_cell(Q_VIEW_ROW, int64(BLOCK_M), r, c)
+                row, col = sw128_cell(q_view_row, int64(BLOCK_M), r, c)
                 if ALIGNED_OUT:
                     copy_16_to_global(o, (b, h, m0 + r, c), view, row, col)
                 else:
@@ -309,61 +402,21 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                         o[b, h, m0 + r, c + e] = view[row, col + e]
 
     @cuda.jit(device=True, forceinline=True)
-    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts, maps):
-        b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0 = locate(q, v, seqs, BLOCK_M, CAUSAL)
-        if VARLEN and m0 < 0:
-            return  # past the sequence's rows
-        smem = cuda.shared.array(0, uint16)
-        bars = cuda.shared.array(BARRIERS, int64)
-        start = aligned_start(smem, SW128_ALIGN)
-        view = tile_view(smem, start, VIEW_ROWS, 64)
+    def attend_tile(k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, parts, view, bars, q_desc,
+                    k_desc, v_desc, tile, q_buffer, q_parity, ring):
+        """The computing threads' work on one query tile (``find_tile``'s fields ``tile``): its Q in buffer
+        ``q_buffer`` (the use of parity ``q_parity``), its K/V tiles through the ring from ``ring``'s state (this
+        tile's stage and parity, the previous tile's, as the loop counts them); the ring's state after it."""
+        b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks = tile
+        stage, parity, last_stage, last_parity = ring
         diagonal = seqlen_kv - seqlen_q
-        first = 0  # the first key of the first tile
-        if WINDOW:
-            first, n_end = window_span(m0, BLOCK_M, diagonal, seqlen_kv, left, right)
-            first = first // BLOCK_N * BLOCK_N
-        n_blocks = (n_end - first + BLOCK_N - 1) // BLOCK_N
-        if SPLIT:
-            first, n_blocks = split_run(first, n_blocks, n_blocks if WINDOW else (seqlen_kv + BLOCK_N - 1) // BLOCK_N,
-                                        BLOCK_N)
         terms = (left, right, cap_log2, cap_slope, alibi[b, h] * LOG2E_F32 if ALIBI else _ZERO)
+        q_rows_desc = q_desc + q_buffer * (8 * Q_ROWS)  # descriptors step in 16-byte units
 
         warp, lane = cuda.threadIdx.x // 32, cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
         group = warp // 4
-        group_row0 = 64 * group  # the warpgroup's first row within the block
         row0 = m0 + 16 * warp  # the warp's first query row
-
-        if cuda.threadIdx.x == 0:
-            for stage in range(STAGES):
-                mbarrier_init(bars, FULL + stage, ARRIVALS)
-                mbarrier_init(bars, EMPTY + stage, CONSUMERS)
-            mbarrier_init(bars, Q_FULL, ARRIVALS)
-        cuda.syncthreads()
-        if PRODUCER and group == GROUPS:
-            shrink_registers(PRODUCER_REGISTERS)
-            if TENSOR_COPIES:
-                if n_blocks > 0:
-                    produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
-                                             k_row0 + seqlen_kv, n_blocks)
-            elif n_blocks > 0:
-                produce(view, bars, q, k, v, q_at, h, q_row0 + m0, q_row0 + seqlen_q, kv_at, h_kv, k_row0 + first,
-                        k_row0 + seqlen_kv, n_blocks)
-            return
-        if PRODUCER:
-            grow_registers(CONSUMER_REGISTERS)
-        q_desc = wgmma_descriptor(smem, start + 64 * group_row0, 0)  # the warpgroup's Q rows
-        k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 64 * D if K_T else 0)  # the K tile of stage 0
-        v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
-        if n_blocks > 0:
-            if not PRODUCER:
-                load_tile_async(view, Q_VIEW_ROW, int64(BLOCK_M), q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
-                cp_async_mbarrier_arrive(bars, Q_FULL)
-                for j in range(STAGES - 1):  # the first tiles
-                    if j < n_blocks:
-                        load_kv_async(view, bars, k, v, kv_at, h_kv, j, j, k_row0 + first, k_row0 + seqlen_kv)
-            if GROUPS > 1 and group == GROUPS - 1:
-                barrier_arrive(TURN, 256)  # the first warpgroup goes first
 
         m_i = cuda.local.array(2, float32)
         l_i = cuda.local.array(2, float32)
@@ -376,28 +429,29 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         if SINKS and (not SPLIT or cuda.blockIdx.y == 0):
             seed_sink(m_i, l_i, sinks[h] * LOG2E_F32, t)
 
-        if n_blocks > 0:
-            mbarrier_wait(bars, Q_FULL, 0)
-        # tile j's stage j % STAGES and the parity of its use (j // STAGES) % 2, and those of tile j - 1,
-        # whose stage tile j + STAGES - 1 takes, counted along rather than divided out
-        stage, parity, last_stage, last_parity = int64(0), int64(0), int64(STAGES - 1), int64(1)
+        if PERSISTENT or n_blocks > 0:  # a persistent block's producer copies every tile's Q, seen or not
+            mbarrier_wait(bars, Q_FULL + q_buffer, q_parity)
         for j in range(n_blocks):
             mbarrier_wait(bars, FULL + stage, parity)
+            if SPLIT_RING and j > 0:
+                mbarrier_wait(bars, V_FULL + last_stage, last_parity)
             fence_proxy_async()  # copies made visible to this thread become visible to wgmma
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)  # this warpgroup's turn on the tensor cores
             if OVERLAP:  # S first, so that the softmax can start while P Vⱼ₋₁ runs
-                issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
+                issue_scores(s, q_rows_desc, k_desc + stage * K_STAGE_UNITS)
             if j > 0:
                 issue_pv(acc, p_frag, v_desc + last_stage * V_STAGE_UNITS)
             elif OVERLAP:
                 wgmma_commit()  # an empty group in P V's place keeps the waits below constant
             if not OVERLAP:
-                issue_scores(s, q_desc, k_desc + stage * K_STAGE_UNITS)
+                issue_scores(s, q_rows_desc, k_desc + stage * K_STAGE_UNITS)
             if GROUPS > 1:
                 barrier_arrive(TURN + (group + 1) % GROUPS, 256)
             wgmma_wait(S_PENDING)  # S = Q Kⱼᵀ is complete
             fence_registers(s, S_REGS)
+            if SPLIT_RING:
+                mbarrier_arrive(bars, K_EMPTY + stage)
             if not OVERLAP:
                 release_stage(bars, acc, j, last_stage)
 
@@ -422,6 +476,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             last_stage, last_parity = stage, parity
             stage, parity = ring_next(stage, parity, STAGES)
         if n_blocks > 0:
+            if SPLIT_RING:
+                mbarrier_wait(bars, V_FULL + last_stage, last_parity)
+                fence_proxy_async()
             if GROUPS > 1:
                 barrier_sync(TURN + group, 256)
             issue_pv(acc, p_frag, v_desc + last_stage * V_STAGE_UNITS)
@@ -429,15 +486,91 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                 barrier_arrive(TURN + (group + 1) % GROUPS, 256)
             wgmma_wait(0)
             fence_registers(acc, O_REGS)
+            if PERSISTENT:
+                mbarrier_arrive(bars, EMPTY + last_stage)  # the tile's last stage, free for the next tile's keys
 
         if SPLIT:
             finish_split(parts, acc, m_i, l_i, o, lse, b, h, m0, row0, seqlen_q, q_at, q_row0, g, t)
-            return
+            return stage, parity, last_stage, last_parity
         normalize(acc, m_i, l_i, lse, WRITE_LSE, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
         if STAGED:
-            store_staged(o, view, acc, q_at, h, q_row0 + m0, group, q_row0 + seqlen_q, warp, g, t)
+            store_staged(o, view, q_buffer * Q_ROWS, acc, q_at, h, q_row0 + m0, group, q_row0 + seqlen_q, warp, g, t)
         else:
             store(o, acc, q_at, h, q_row0 + row0, q_row0 + seqlen_q, g, t)
+        if PERSISTENT:
+            fence_proxy_async()  # the staged output's writes come before the next Q's tensor copies into the buffer
+            mbarrier_arrive(bars, Q_FREE + q_buffer)
+        return stage, parity, last_stage, last_parity
+
+    @cuda.jit(device=True, forceinline=True)
+    def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts, maps):
+        # a persistent block's query tiles are those of a launch of one block per tile
+        tiles = (q.shape[2] + BLOCK_M - 1) // BLOCK_M * q.shape[0] * q.shape[1] if PERSISTENT else cuda.gridDim.x
+        tile = find_tile(q, v, seqs, left, right, cuda.blockIdx.x, tiles)
+        b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks = tile
+        if VARLEN and m0 < 0:
+            return  # past the sequence's rows
+        smem = cuda.shared.array(0, uint16)
+        bars = cuda.shared.array(BARRIERS, int64)
+        start = aligned_start(smem, SW128_ALIGN)
+        view = tile_view(smem, start, VIEW_ROWS, 64)
+        group = cuda.threadIdx.x // 128
+
+        if cuda.threadIdx.x == 0:
+            for stage in range(STAGES):
+                mbarrier_init(bars, FULL + stage, ARRIVALS)
+                mbarrier_init(bars, EMPTY + stage, CONSUMERS)
+            for i in range(Q_BUFFERS):
+                mbarrier_init(bars, Q_FULL + i, ARRIVALS)
+                if PERSISTENT:
+                    mbarrier_init(bars, Q_FREE + i, CONSUMERS)
+            if SPLIT_RING:
+                for stage in range(STAGES):
+                    mbarrier_init(bars, V_FULL + stage, ARRIVALS)
+                    mbarrier_init(bars, K_EMPTY + stage, CONSUMERS)
+        cuda.syncthreads()
+        if PRODUCER and group == GROUPS:
+            shrink_registers(PRODUCER_REGISTERS)
+            if PERSISTENT:
+                produce_tiles(view, bars, maps, q, v, seqs, left, right, tiles)
+            elif TENSOR_COPIES:
+                if n_blocks > 0:
+                    produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
+                                             k_row0 + seqlen_kv, n_blocks)
+            elif n_blocks > 0:
+                produce(view, bars, q, k, v, q_at, h, q_row0 + m0, q_row0 + seqlen_q, kv_at, h_kv, k_row0 + first,
+                        k_row0 + seqlen_kv, n_blocks)
+            return
+        if PRODUCER:
+            grow_registers(CONSUMER_REGISTERS)
+        q_desc = wgmma_descriptor(smem, start + 64 * 64 * group, 0)  # the warpgroup's Q rows (of the first buffer)
+        k_desc = wgmma_descriptor(smem, start + 64 * K_ROW0, 64 * D if K_T else 0)  # the K tile of stage 0
+        v_desc = wgmma_descriptor(smem, start + 64 * V_ROW0, V_PANEL)  # the V tile of stage 0
+        ring = (int64(0), int64(0), int64(STAGES - 1), int64(1))  # tile 0's stage and parity, tile -1's
+        if PERSISTENT:
+            if GROUPS > 1 and group == GROUPS - 1:
+                barrier_arrive(TURN, 256)  # the first warpgroup goes first; each tile's last turn hands on the next's
+            q_buffer, q_parity = int64(0), int64(0)
+            for round_start in range(0, tiles, cuda.gridDim.x):
+                block = tile_of_round(round_start, q_buffer)  # (a round's Q buffer alternates)
+                if block >= tiles:
+                    break
+                ring = attend_tile(k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, parts,
+                                   view, bars, q_desc, k_desc, v_desc, find_tile(q, v, seqs, left, right, block, tiles),
+                                   q_buffer, q_parity, ring)
+                q_buffer, q_parity = ring_next(q_buffer, q_parity, Q_BUFFERS)
+            return
+        if n_blocks > 0:
+            if not PRODUCER:
+                load_tile_async(view, Q_VIEW_ROW, int64(BLOCK_M), q, q_at, h, q_row0 + m0, q_row0 + seqlen_q, D)
+                cp_async_mbarrier_arrive(bars, Q_FULL)
+                for j in range(STAGES - 1):  # the first tiles
+                    if j < n_blocks:
+                        load_kv_async(view, bars, k, v, kv_at, h_kv, j, j, k_row0 + first, k_row0 + seqlen_kv)
+            if GROUPS > 1 and group == GROUPS - 1:
+                barrier_arrive(TURN, 256)  # the first warpgroup goes first
+        attend_tile(k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, parts, view, bars, q_desc,
+                    k_desc, v_desc, tile, Q_VIEW_ROW, Q_VIEW_ROW, ring)
 
     kernel = forward_kernel(attend, sequences, split, TENSOR_COPIES)
 

@@ -90,7 +90,8 @@ def sequence_span(cu, b, total):
 
 @functools.cache
 def block_locator(layout):
-    """Device function ``locate(q, v, sequences, block_m, causal)`` of the calling thread block:
+    """Device function ``locate(q, v, sequences, block_m, causal, block, blocks)`` of thread block ``block`` of a
+    grid of ``blocks`` (``cuda.blockIdx.x`` and ``cuda.gridDim.x``, or the query tile a persistent block takes):
     ``(b, h, h_kv, m0, n_end, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0)``.
 
     The block owns query rows ``m0 .. m0 + block_m`` of sequence ``b``, query head ``h`` (reading KV head
@@ -104,7 +105,7 @@ def block_locator(layout):
     SECTIONS = layout.sections
 
     @cuda.jit(device=True, forceinline=True)
-    def locate(q, v, sequences, block_m, causal):
+    def locate(q, v, sequences, block_m, causal, block, blocks):
         heads_q, heads_kv = q.shape[1], v.shape[1]
         if VARLEN:
             cu_q, cu_k, seqused_k, page_table = sequences
@@ -114,11 +115,11 @@ def block_locator(layout):
         heads = batch * heads_q
         if SECTIONS:
             kv_head_bytes = v.shape[2] * (q.shape[3] + v.shape[3]) * v.itemsize
-            tiles_from_end, head = query_tile(heads, heads_q // heads_kv, kv_head_bytes)
+            tiles_from_end, head = query_tile(heads, heads_q // heads_kv, kv_head_bytes, block, blocks)
             b, h = head // heads_q, head % heads_q
         else:
-            tiles_from_end = cuda.blockIdx.x // heads
-            b, h = (cuda.blockIdx.x % heads) // heads_q, cuda.blockIdx.x % heads_q
+            tiles_from_end = block // heads
+            b, h = (block % heads) // heads_q, block % heads_q
         if PAGED:
             q_at, k_row0 = 0, 0
             kv_at = (page_table, b, int32(v.shape[0] - 1))

@@ -212,15 +212,15 @@ L2_SECTION_BYTES = 32 * 1024 * 1024  # keys and values of a section of heads (an
 
 
 @cuda.jit(device=True, forceinline=True)
-def query_tile(heads, group_size, kv_head_bytes):
-    """``(tiles_from_end, head)`` of the calling block of a forward grid of ``cuda.gridDim.x = tiles · heads``
-    blocks in sections: ``heads`` (batch × query heads, ``group_size`` consecutive ones reading each KV head of
+def query_tile(heads, group_size, kv_head_bytes, block, blocks):
+    """``(tiles_from_end, head)`` of block ``block`` of a forward grid of ``blocks = tiles · heads`` blocks in
+    sections: ``heads`` (batch × query heads, ``group_size`` consecutive ones reading each KV head of
     ``kv_head_bytes`` keys and values) taken a section at a time, as many whole groups as fit in
     ``L2_SECTION_BYTES``, and within a section tile by tile from each head's last (under causal masking the
     longest first), head by head: the blocks running at once read the keys of a few heads."""
-    block, all_heads = uint32(cuda.blockIdx.x), uint32(heads)  # 32-bit: grid indices
+    block, all_heads = uint32(block), uint32(heads)  # 32-bit: grid indices
     size = uint32(min(heads, max(1, L2_SECTION_BYTES // max(kv_head_bytes, 1)) * group_size))
-    span = size * (uint32(cuda.gridDim.x) // all_heads)  # the blocks of a whole section
+    span = size * (uint32(blocks) // all_heads)  # the blocks of a whole section
     first = block // span * size  # the section's first head
     heads_here = min(size, all_heads - first)  # the last section may be smaller
     within = block % span

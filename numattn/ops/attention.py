@@ -33,6 +33,7 @@ from ..configs.attention import (
     default_choice,
     fitting_kernels,
     grid_in_sections,
+    misfit,
     problem_shared_bytes,
     split_options,
     splits_keys,
@@ -329,6 +330,9 @@ def _attention_kernel(p, device, config=None, splits=1):
     kind = type(config)
     if kind not in fitting_kernels(p, limits):
         raise ValueError(f"tile configuration {config} does not fit the kernel this problem needs")
+    reason = misfit(p, config, limits) if kind is WgmmaConfig and config.persistent else None
+    if reason is not None:
+        raise ValueError(f"tile configuration {config} does not fit this problem: {reason}")
     if splits > 1 and not splits_keys(config):
         raise ValueError(f"key splits need a tensor-core kernel (an MmaConfig, or a WgmmaConfig without a producer), "
                          f"got {config}")
@@ -361,6 +365,8 @@ def _attention_kernel(p, device, config=None, splits=1):
     label = (f"{config} {p.dtype} d={p.head_dim}/{p.head_dim_v} causal={p.causal} lse={p.return_lse} splits={splits}"
              + (f" merged by {merge}" if splits > 1 else "") + (f" {p.options.label()}" if p.options.label() else "")
              + (f" {flags['sequences']}" if "sequences" in flags else ""))
+    if kind is WgmmaConfig and config.persistent:
+        blocks = min(blocks, limits["sms"])  # a block per SM, each taking query tile after query tile
     return _Kernel(dispatcher, (blocks, splits) if splits > 1 else blocks, config.num_threads, shared_bytes, label,
                    config, splits, cluster, flags.get("k_transposed", False), flags.get("tensor_copies", False))
 
