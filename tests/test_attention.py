@@ -224,8 +224,8 @@ def test_wgmma_producer_where_it_fits():
 
 def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
     """On an H100 the default takes a persistent block (``WgmmaConfig.persistent``) where every query tile visits
-    at most ``PERSISTENT_KEYS`` keys (a window, short sequences) and the keys are dense and read by tensor copies,
-    and a block per query tile elsewhere; a persistent configuration asked for where it cannot run is refused,
+    at most ``PERSISTENT_KEYS`` keys (a window, short sequences), the keys are dense and read by tensor copies and
+    the query tiles outnumber the SMs, and a block per query tile elsewhere; a persistent configuration asked for where it cannot run is refused,
     naming why."""
     from numattn.configs import attention as configs
     from numattn.ops.attention import make_plan, validate
@@ -234,15 +234,16 @@ def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
     monkeypatch.setattr(configs, "SIMULATOR", False)  # the wgmma kernel as a GPU's default, not the simulator's
     h100 = {"name": "H100", "cc": (9, 0), "sms": 132, "max_shared": 227 * 1024, "dram_gbs": 3350.0}
 
-    def default(seqlen, causal=True, window=None, transposed=False, head_dim=128):
-        q = np.zeros((1, 2, seqlen, head_dim), np.float16)
-        k = np.zeros((1, 2, head_dim, seqlen), np.float16).swapaxes(2, 3) if transposed else q
+    def default(seqlen, causal=True, window=None, transposed=False, head_dim=128, heads=32):
+        q = np.zeros((1, heads, seqlen, head_dim), np.float16)
+        k = np.zeros((1, heads, head_dim, seqlen), np.float16).swapaxes(2, 3) if transposed else q
         return configs.default_choice(validate(q, k, q, None, causal, None, "bhsd", False, window=window), h100)
 
     persistent = WgmmaConfig(128, 2, 2, producer=True, persistent=True)
     assert default(8192, window=(1024, 0)) == (persistent, 1)
     assert default(1024) == default(2048, causal=False) == (persistent, 1)
-    assert default(8192) == default(8192, window=(4096, 0)) == (WgmmaConfig(128, 2, 3, producer=True), 1)
+    plain = (WgmmaConfig(128, 2, 3, producer=True), 1)
+    assert default(8192) == default(8192, window=(4096, 0)) == default(1024, heads=16) == plain  # 128 tiles: one each
     assert not any(getattr(default(1024, **other)[0], "persistent", False)
                    for other in ({"transposed": True}, {"head_dim": 64}))  # mma.sync; wgmma without a producer
 

@@ -377,8 +377,10 @@ def default_choice(p, limits):
     their longest (``max_seqlen_q``, ``max_seqlen_k``): on an H100 four of 256 queries over 16384 keys (H8
     D128 bf16 causal) took 159 µs in 2 runs per query tile against 236 in one (the padded batch 158), one of
     128 over 32768 98 µs in 16 runs against 458. Otherwise, where every query tile of the default's wgmma kernel
-    with a producer visits at most ``PERSISTENT_KEYS`` keys and the keys are dense and copied by tensor copies,
-    a persistent block per SM takes the query tiles in turn (``WgmmaConfig.persistent``)."""
+    with a producer visits at most ``PERSISTENT_KEYS`` keys, the keys are dense and copied by tensor copies and
+    there are more query tiles than SMs, a persistent block per SM takes the query tiles in turn
+    (``WgmmaConfig.persistent``; with fewer tiles each block would take one, with a stage less: B2 H8 L1000
+    causal took 1.07 of the time)."""
     config = default_config(p, limits)
     if (isinstance(config, WgmmaConfig) and max(p.head_dim, p.head_dim_v) <= 128 and not p.options.mods.window
             and p.seqlen_kv >= 4 * p.seqlen_q and misfit(p, SPLITTING, limits) is None):
@@ -387,7 +389,9 @@ def default_choice(p, limits):
         fitting = [n for n in KEY_SPLITS if tiles * n <= limits["sms"] and key_tiles >= SPLIT_KEY_TILES * n]
         if fitting:
             return SPLITTING, max(fitting)
-    if isinstance(config, WgmmaConfig) and config.producer and visited_keys(p, config) <= PERSISTENT_KEYS:
+    tiles = p.batch * p.heads_q * -(-p.seqlen_q // config.block_m)
+    if (isinstance(config, WgmmaConfig) and config.producer and visited_keys(p, config) <= PERSISTENT_KEYS
+            and tiles > limits["sms"]):
         persistent = replace(config, stages=2, persistent=True)
         if misfit(p, persistent, limits) is None:
             return persistent, 1
