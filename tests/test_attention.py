@@ -240,10 +240,11 @@ def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
         return configs.default_choice(validate(q, k, q, None, causal, None, "bhsd", False, window=window), h100)
 
     persistent = WgmmaConfig(128, 2, 2, producer=True, persistent=True)
-    assert default(8192, window=(1024, 0)) == (persistent, 1)
+    assert default(16384, window=(1024, 0), heads=2) == default(8192, heads=4) == (persistent, 1)
     assert default(1024) == default(2048, causal=False) == (persistent, 1)
     plain = (WgmmaConfig(128, 2, 3, producer=True), 1)
-    assert default(8192) == default(8192, window=(4096, 0)) == default(1024, heads=16) == plain  # 128 tiles: one each
+    assert default(16384, heads=2) == default(16384, window=(8192, 0), heads=2) == plain
+    assert default(1024, heads=16) == plain  # 128 query tiles: a block each
     assert not any(getattr(default(1024, **other)[0], "persistent", False)
                    for other in ({"transposed": True}, {"head_dim": 64}))  # mma.sync; wgmma without a producer
 

@@ -351,11 +351,12 @@ def problem_shared_bytes(p, config):
 SPLITTING = WgmmaConfig(128, 2, 3)  # the default's tiles where it splits the keys of a short grid
 SPLIT_KEY_TILES = 8  # key tiles each run keeps at least, where the default splits the keys
 # Keys a query tile visits at most where the default takes a persistent block (``WgmmaConfig.persistent``): there
-# a block's fixed cost (its start, its first copies, its output) weighs on few key tiles. Persistent (two split
-# stages) over the default's time (bf16 D128 H16, H100, docs/notes/persistent-forward-2026-12-06.md): causal
-# window 1024 at L8192 0.869, L1024 causal 0.952 and not 0.955; more keys: L8192 not causal 0.995, causal
-# 1.081, window 4096 at L32768 1.036.
-PERSISTENT_KEYS = 2048
+# a block's fixed cost (its start, its first copies, its output) weighs on few key tiles, and the persistent
+# block's rounds balance long causal tiles no worse than the hardware's block scheduler. Persistent (two split
+# stages) over the default's time, bf16 D128 H16, H100, 2026-12-06 (docs/notes/persistent-forward-2026-12-06.md):
+# causal window 1024 at L8192 0.824, window 2048 0.826; L1024 causal 0.943, not causal 0.982; L2048 0.934 and
+# 0.940; L8192 0.981 and 0.973, with ALiBi 0.993; beyond: L16384 causal 1.045, L32768 1.032.
+PERSISTENT_KEYS = 8192
 
 
 def visited_keys(p, config):
