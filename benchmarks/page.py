@@ -39,7 +39,7 @@ SOURCES = {
     "cold-start": "coldstart-h200-2026-11-27d",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h100-2026-12-06",
+    "variants": "variants-h100-2026-12-06c",
     "varlen": "varlen-h200-2026-11-28b",
 }
 
