@@ -225,7 +225,8 @@ class WgmmaConfig(registers.WarpgroupBlock):
 
     def shared_bytes(self, head_dim, head_dim_v):
         """Q tiles plus ``stages`` K and V tiles of 16-bit elements, and slack to align the buffer."""
-        return 2 * (self.query_buffers * self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)) + SW128_ALIGN
+        tiles = self.query_buffers * self.block_m * head_dim + self.stages * self.block_n * (head_dim + head_dim_v)
+        return 2 * tiles + SW128_ALIGN
 
 
 # Calibration (ptxas 13, sm_90a, fp16, causal with LSE, 3 stages, 2026-11-23; head dims 64, 128 and

@@ -107,8 +107,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     there that is not finite would turn this sequence's ``0 · V`` into NaN.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
-    ``cdiv(Sq, block_m) · B · Hq`` blocks of ``num_threads`` threads and
-    ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
+    ``cdiv(Sq, block_m) · B · Hq`` blocks (a persistent configuration: at most as many, a block per SM) of
+    ``num_threads`` threads and ``config.shared_bytes(D, Dv)`` bytes of dynamic shared memory.
     """
     BLOCK_M, BLOCK_N, STAGES = config.block_m, config.block_n, config.stages
     GROUPS, NUM_THREADS = config.warpgroups, config.num_threads
@@ -323,8 +323,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     @cuda.jit(device=True, forceinline=True)
     def tile_of_round(round_start, backwards):
         """A persistent block's query tile in the round of the grid's tiles from ``round_start``: the rounds run
-        forwards and backwards in turn (``backwards``: 0 or 1, alternating), so that a block that takes one of a round's longest
-        causal tiles (the first) takes one of the next round's shortest."""
+        forwards and backwards in turn (``backwards``: 0 or 1, alternating), so that a block that takes one of a
+        round's longest causal tiles (the first) takes one of the next round's shortest."""
         return round_start + (cuda.gridDim.x - 1 - cuda.blockIdx.x if backwards else cuda.blockIdx.x)
 
     @cuda.jit(device=True, forceinline=True)
