@@ -225,8 +225,9 @@ def main():
 def linked_resources(kernel, signature):
     """``(registers, spill store bytes, spill load bytes, wgmma serialized)`` of ``kernel`` compiled as numba does
     on an sm_90 GPU: LTO-IR from NVVM for compute_90a, linked by nvJitLink for sm_90a under the kernel's register
-    limit. ``wgmma serialized``: ptxas waits for each wgmma before issuing the next (its C7512 performance
-    warning), as it does when the registers cannot hold the products in flight."""
+    limit. ``wgmma serialized``: ptxas waits for each wgmma before issuing the next (its C7512 or C7515 performance
+    warning), as it does when the registers cannot hold the products in flight or where other instructions may
+    define an accumulator while its product is in flight."""
     from cuda.bindings import nvjitlink
 
     ltoir, _ = cuda.compile(kernel.py_func, signature, device=False, cc=(9, 0, "a"), opt=True, abi="numba",
@@ -245,7 +246,7 @@ def linked_resources(kernel, signature):
     log = log.decode(errors="replace")
     registers = re.search(r"Used (\d+) registers", log)
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log).groups()
-    return int(registers.group(1)), int(stores), int(loads), "C7512" in log
+    return int(registers.group(1)), int(stores), int(loads), any(code in log for code in ("C7512", "C7515"))
 
 
 def resources():

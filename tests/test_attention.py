@@ -203,6 +203,25 @@ def test_wgmma_configurations(rng, monkeypatch, fresh_plans, config):
         assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
 
 
+def test_a_persistent_block_between_tiles_that_see_no_key(rng, monkeypatch, fresh_plans):
+    """A persistent block (one simulated SM: every query tile through one block) whose tiles alternate between
+    rows that see no key (more queries than keys under a causal mask) and rows that do: every tile's Q is
+    copied and its output staged in its buffer, the Q buffers and the ring of stages run on past the tiles
+    without keys; rows without a key get 0, and the sink's LSE."""
+    from numattn.configs.attention import WgmmaConfig
+    from numattn.ops import attention as module
+
+    monkeypatch.setattr(module, "default_choice",
+                        lambda *args: (WgmmaConfig(16, 2, 2, producer=True, persistent=True), 1))
+    q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 300, 40, 64), "bfloat16")
+    sinks = rng.standard_normal(2).astype(np.float32)
+    o, lse = numattn.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert max_error(o, ref_o) <= ATOL["bfloat16"]
+    assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
+    assert not o[:, :, :260].any()
+
+
 def test_wgmma_producer_where_it_fits():
     """At head dim 128 the wgmma default copies its tiles with a producer warpgroup, except for kernels that
     would spill beside one (a softcap, a window with ALiBi, pages copied by threads: ``SEQUENCES_REGISTERS``

@@ -161,13 +161,13 @@ def test_wgmma_key_splits_and_transposed_keys(rng, head_dim, dtype, causal, tran
 
 
 @pytest.mark.parametrize("window, alibi", [(None, False), ((300, 0), False), ((200, 17), True)])
-@pytest.mark.parametrize("batch, seqlen_q, seqlen_kv", [(2, 150, 419), (3, 2000, 2000), (1, 700, 4100)])
+@pytest.mark.parametrize("batch, seqlen_q, seqlen_kv", [(2, 150, 419), (3, 2000, 2000), (1, 700, 4100), (2, 1000, 300)])
 def test_a_persistent_block_computes_each_tile_as_a_block_of_its_own_does(rng, window, alibi, batch, seqlen_q,
                                                                           seqlen_kv):
     """A persistent block (a block per SM taking query tile after query tile, the next Q copied into a second
     buffer, the ring of stages running on) gives bit for bit the output and LSE of the same tiles with a block
     per query tile, on grids of fewer tiles than SMs and of several tiles per SM; causal, a window, ALiBi and
-    sinks, GQA, lengths that end mid-tile; the outputs are poisoned first."""
+    sinks, GQA, lengths that end mid-tile, tiles whose rows see no key; the outputs are poisoned first."""
     from numattn.configs.attention import WgmmaConfig
     from numattn.ops.attention import make_plan, validate
 
