@@ -208,6 +208,8 @@ def test_a_persistent_block_between_tiles_that_see_no_key(rng, monkeypatch, fres
     rows that see no key (more queries than keys under a causal mask) and rows that do: every tile's Q is
     copied and its output staged in its buffer, the Q buffers and the ring of stages run on past the tiles
     without keys; rows without a key get 0, and the sink's LSE."""
+    import torch
+
     from numattn.configs.attention import WgmmaConfig
     from numattn.ops import attention as module
 
@@ -215,7 +217,8 @@ def test_a_persistent_block_between_tiles_that_see_no_key(rng, monkeypatch, fres
                         lambda *args: (WgmmaConfig(16, 2, 2, producer=True, persistent=True), 1))
     q, k, v = as_dtype(random_qkv(rng, 1, 2, 1, 300, 40, 64), "bfloat16")
     sinks = rng.standard_normal(2).astype(np.float32)
-    o, lse = numattn.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+    o, lse = numattn.attention(q, k, v, causal=True, sinks=sinks, return_lse=True, out=out)
     ref_o, ref_lse = reference.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
     assert max_error(o, ref_o) <= ATOL["bfloat16"]
     assert np.abs(lse - ref_lse).max() <= 1e-5 * (1 + np.abs(ref_lse).max())
