@@ -3,8 +3,10 @@
     python benchmarks/variants.py [--json PATH] [--no-flex] [--training]
 
 Forward passes, bf16, default arguments, on fresh random inputs; each timed as the median of CUDA-event
-timings with the L2 cache flushed, after the GPU's clocks are warmed, the contenders in turns over five
-rounds.
+timings with the L2 cache flushed, after the GPU's clocks are warmed. A case's contenders are timed in turns
+over seven rounds, one case after the other, so that the two sides of a ratio meet the GPU in the same state
+(its clocks drop for a while after long runs of heavy kernels; a short kernel timed after another case's
+heavy ones would pay for them).
 
 * Window scaling: B1 H16 L32768 D128, causal against causal with a window of 4096 keys to the left; the
   window's time over the causal time, against the fraction of (query, key) pairs it keeps visible (the
@@ -14,7 +16,7 @@ rounds.
   causal with sinks (numattn only: FlexAttention has no sinks). The best SDPA backend's causal time
   (cuDNN included) is given for scale.
 * ``--training``: the same comparison for a training step, ``numattn.torch.attention`` forward and
-  backward (gradients of q, k and v) against FlexAttention's, three rounds.
+  backward (gradients of q, k and v) against FlexAttention's, five rounds.
 """
 
 import argparse
@@ -30,17 +32,30 @@ def rows_of_pairs(seqlen, left):
     return visible / (seqlen * (seqlen + 1) / 2)
 
 
-def timed_in_turns(torch, calls, rounds=5):
+def timed_in_turns(torch, calls, rounds=7):
     """``{name: median ms}`` of ``cuda_time_ms`` of each of ``calls``, the calls taking turns round by round, in
     the reverse order every other round."""
-    from numattn.bench import cuda_time_ms, warm_clocks
+    from numattn.bench import cuda_time_ms
 
-    warm_clocks(torch, 2.0)
     times = {name: [] for name in calls}
     for round_ in range(rounds):
         for name, call in list(calls.items())[::-1 if round_ % 2 else 1]:
             times[name].append(cuda_time_ms(call, repeat=10))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def timed_case_by_case(torch, cases, rounds=7):
+    """``{(case, contender): median ms}``: ``cases`` maps a case to its contenders' calls (``{contender:
+    call}``), compiled first; each case's contenders are timed in turns (``timed_in_turns``), after the
+    GPU's clocks are warmed."""
+    from numattn.bench import warm_clocks
+
+    for calls in cases.values():  # compiled outside the timed turns
+        for call in calls.values():
+            call()
+    warm_clocks(torch, 2.0)
+    return {(case, name): ms for case, calls in cases.items()
+            for name, ms in timed_in_turns(torch, calls, rounds).items()}
 
 
 def training_rows(torch, q, k, v, slopes, cases, flex):
@@ -58,16 +73,13 @@ def training_rows(torch, q, k, v, slopes, cases, flex):
             forward().backward(do)
         return run
 
-    calls = {}
-    for case, options in cases.items():
-        calls[f"numattn {case}"] = step(lambda options=options: numattn_torch.attention(*leaves, **options))
-        if case in flex:
-            calls[f"flex {case}"] = step(lambda case=case: flex[case](*leaves))
-    for call in calls.values():  # compiled outside the timed turns
-        call()
-    times = timed_in_turns(torch, calls, rounds=3)
-    rows = [{"case": f"B4 H16 L8192 D128 bf16, forward + backward, {case}", "numattn_ms": times[f"numattn {case}"],
-             "flex_ms": times.get(f"flex {case}")} for case in cases]
+    calls = {case: {"numattn": step(lambda options=options: numattn_torch.attention(*leaves, **options))}
+             for case, options in cases.items()}
+    for case, forward in flex.items():
+        calls[case]["flex"] = step(lambda forward=forward: forward(*leaves))
+    times = timed_case_by_case(torch, calls, rounds=5)
+    rows = [{"case": f"B4 H16 L8192 D128 bf16, forward + backward, {case}", "numattn_ms": times[case, "numattn"],
+             "flex_ms": times.get((case, "flex"))} for case in cases]
     for row in rows:
         row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
     return rows
@@ -118,10 +130,12 @@ def main(argv=None):
 
     rows = []
     q, k, v = (rnd(1, 16, 32768, 128) for _ in range(3))
-    scaling = timed_in_turns(torch, {
+    scaling_calls = {
         "causal": lambda: numattn.attention(q, k, v, causal=True),
         "causal, window 4096": lambda: numattn.attention(q, k, v, causal=True, window=(4096, 0)),
-    })
+    }
+    times = timed_case_by_case(torch, {"scaling": scaling_calls})
+    scaling = {name: times["scaling", name] for name in scaling_calls}
     fraction = rows_of_pairs(32768, 4096)
     ratio = scaling["causal, window 4096"] / scaling["causal"]
     rows.append({"case": "B1 H16 L32768 D128 bf16, window 4096 against causal", "causal_ms": scaling["causal"],
@@ -141,13 +155,12 @@ def main(argv=None):
         "causal, ALiBi": dict(causal=True, alibi_slopes=slopes),
         "causal, sinks": dict(causal=True, sinks=sinks),
     }
-    contenders = {f"numattn {case}": (lambda options=options: numattn.attention(q, k, v, **options))
+    contenders = {case: {"numattn": lambda options=options: numattn.attention(q, k, v, **options)}
                   for case, options in cases.items()}
     flex = {} if args.no_flex else flex_calls(torch, q, k, v, slopes)
-    contenders.update({f"flex {case}": (lambda call=call: call(q, k, v)) for case, call in flex.items()})
-    for call in contenders.values():  # compiled outside the timed turns
-        call()
-    times = timed_in_turns(torch, contenders)
+    for case, call in flex.items():
+        contenders[case]["flex"] = lambda call=call: call(q, k, v)
+    times = timed_case_by_case(torch, contenders)
     sdpa = {}
     for name in sdpa_backends_taking(torch, q, k, v, is_causal=True):
         with backend_context(name):
@@ -155,8 +168,8 @@ def main(argv=None):
     best = min(sdpa, key=sdpa.get)
     print(f"best SDPA causal: {best} {sdpa[best]:.3f} ms", flush=True)
     for case in cases:
-        row = {"case": f"B4 H16 L8192 D128 bf16, {case}", "numattn_ms": times[f"numattn {case}"],
-               "flex_ms": times.get(f"flex {case}"), "sdpa_causal_ms": sdpa[best], "sdpa_backend": best}
+        row = {"case": f"B4 H16 L8192 D128 bf16, {case}", "numattn_ms": times[case, "numattn"],
+               "flex_ms": times.get((case, "flex")), "sdpa_causal_ms": sdpa[best], "sdpa_backend": best}
         row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
         rows.append(row)
         versus = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"

@@ -87,6 +87,19 @@ def torch_attention(q, k, v, causal, window, softcap, alibi_slopes, sinks):
     return p[..., :sk] @ v
 
 
+def low_precision_allowance(q, k, v, ref_o, options):
+    """flash-attn's allowance: twice the error of the same attention computed by torch in the inputs' dtype,
+    and an ulp of the output."""
+    import torch
+
+    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_numpy(x) for x in (q, k, v))
+    slopes, sinks = (None if options.get(name) is None else torch.as_tensor(options[name])
+                     for name in ("alibi_slopes", "sinks"))
+    low = torch_attention(q, k, v, options.get("causal", False), options.get("window"), options.get("softcap"),
+                          slopes, sinks)
+    return 2 * max_error(low.float(), ref_o) + float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
+
+
 class OnlyDLPack:
     """An array that speaks DLPack and nothing else (as some libraries' arrays do)."""
 

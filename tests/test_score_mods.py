@@ -10,25 +10,12 @@ import numattn
 from numattn import reference
 
 from conftest import ATOL
-from helpers import as_dtype, max_error, random_qkv, torch_attention
+from helpers import as_dtype, low_precision_allowance, max_error, random_qkv, torch_attention
 
 
 def per_head(rng, heads, low=0.01, high=0.5, batch=None):
     shape = (heads,) if batch is None else (batch, heads)
     return rng.uniform(low, high, shape).astype(np.float32)
-
-
-def low_precision_allowance(q, k, v, ref_o, options):
-    """flash-attn's allowance: twice the error of the same attention computed by torch in the inputs' dtype,
-    and an ulp of the output."""
-    import torch
-
-    q, k, v = (x if isinstance(x, torch.Tensor) else torch.from_numpy(x) for x in (q, k, v))
-    slopes, sinks = (None if options.get(name) is None else torch.as_tensor(options[name])
-                     for name in ("alibi_slopes", "sinks"))
-    low = torch_attention(q, k, v, options.get("causal", False), options.get("window"), options.get("softcap"),
-                          slopes, sinks)
-    return 2 * max_error(low.float(), ref_o) + float(torch.finfo(q.dtype).eps) * np.abs(ref_o).max()
 
 
 def check(o, lse, q, k, v, atol, **options):
