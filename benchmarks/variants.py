@@ -1,12 +1,13 @@
 """Attention variants on one GPU: numattn's sliding window, softcap, ALiBi and sinks against FlexAttention.
 
-    python benchmarks/variants.py [--json PATH] [--no-flex] [--training]
+    python benchmarks/variants.py [--json PATH] [--no-flex] [--training] [--passes N]
 
 Forward passes, bf16, default arguments, on fresh random inputs; each timed as the median of CUDA-event
-timings with the L2 cache flushed, after the GPU's clocks are warmed. A case's contenders are timed in turns
-over seven rounds, one case after the other, so that the two sides of a ratio meet the GPU in the same state
-(its clocks drop for a while after long runs of heavy kernels; a short kernel timed after another case's
-heavy ones would pay for them).
+timings with the L2 cache flushed. A case's contenders are timed in turns over seven rounds, one case after
+the other, so that the two sides of a ratio meet the GPU in the same state: a short kernel timed right after
+long runs of heavy ones was seen to take up to a fifth longer. The cases are passed over ``--passes`` times
+(three), the GPU's clocks warmed before each pass; a ratio is the median of the passes' ratios, a time the
+median of the passes' times.
 
 * Window scaling: B1 H16 L32768 D128, causal against causal with a window of 4096 keys to the left; the
   window's time over the causal time, against the fraction of (query, key) pairs it keeps visible (the
@@ -44,23 +45,37 @@ def timed_in_turns(torch, calls, rounds=7):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def timed_case_by_case(torch, cases, rounds=7):
-    """``{(case, contender): median ms}``: ``cases`` maps a case to its contenders' calls (``{contender:
-    call}``), compiled first; each case's contenders are timed in turns (``timed_in_turns``), after the
-    GPU's clocks are warmed."""
+def timed_case_by_case(torch, cases, passes, rounds=7):
+    """``{(case, contender): [median ms of each pass]}``: ``cases`` maps a case to its contenders' calls
+    (``{contender: call}``), compiled first; in each of ``passes`` passes over the cases, after the GPU's clocks
+    are warmed, each case's contenders are timed in turns (``timed_in_turns``)."""
     from numattn.bench import warm_clocks
 
     for calls in cases.values():  # compiled outside the timed turns
         for call in calls.values():
             call()
-    warm_clocks(torch, 2.0)
-    return {(case, name): ms for case, calls in cases.items()
-            for name, ms in timed_in_turns(torch, calls, rounds).items()}
+    times = {(case, name): [] for case, calls in cases.items() for name in calls}
+    for _ in range(passes):
+        warm_clocks(torch, 2.0)
+        for case, calls in cases.items():
+            for name, ms in timed_in_turns(torch, calls, rounds).items():
+                times[case, name].append(ms)
+    return times
 
 
-def training_rows(torch, q, k, v, slopes, cases, flex):
-    """``[{case, numattn_ms, flex_ms}]`` of forward + backward steps of each case (``cases``: name -> options,
-    ``flex``: name -> FlexAttention forward call), q, k, v made leaves."""
+def compared(case, numattn_ms, flex_ms):
+    """A row of ``case``: each side's median time over the passes, and the median of the passes' ratios of
+    FlexAttention's time over numattn's (their range too)."""
+    ratios = [f / n for f, n in zip(flex_ms, numattn_ms, strict=True)] if flex_ms else []
+    return {"case": case, "numattn_ms": statistics.median(numattn_ms),
+            "flex_ms": statistics.median(flex_ms) if flex_ms else None,
+            "flex_over_numattn": statistics.median(ratios) if ratios else None,
+            "flex_over_numattn_per_pass": ratios}
+
+
+def training_rows(torch, q, k, v, slopes, cases, flex, passes):
+    """``compared`` rows of forward + backward steps of each case (``cases``: name -> options, ``flex``: name ->
+    FlexAttention forward call), q, k, v made leaves."""
     import numattn.torch as numattn_torch
 
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -77,12 +92,9 @@ def training_rows(torch, q, k, v, slopes, cases, flex):
              for case, options in cases.items()}
     for case, forward in flex.items():
         calls[case]["flex"] = step(lambda forward=forward: forward(*leaves))
-    times = timed_case_by_case(torch, calls, rounds=5)
-    rows = [{"case": f"B4 H16 L8192 D128 bf16, forward + backward, {case}", "numattn_ms": times[case, "numattn"],
-             "flex_ms": times.get((case, "flex"))} for case in cases]
-    for row in rows:
-        row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
-    return rows
+    times = timed_case_by_case(torch, calls, passes, rounds=5)
+    return [compared(f"B4 H16 L8192 D128 bf16, forward + backward, {case}", times[case, "numattn"],
+                     times.get((case, "flex"))) for case in cases]
 
 
 def flex_calls(torch, q, k, v, slopes):
@@ -118,6 +130,7 @@ def main(argv=None):
     parser.add_argument("--json", help="write the rows and the run's facts to this file")
     parser.add_argument("--no-flex", action="store_true", help="leave FlexAttention out")
     parser.add_argument("--training", action="store_true", help="also time forward + backward steps")
+    parser.add_argument("--passes", type=int, default=3, help="passes over the cases (each ratio: their median)")
     args = parser.parse_args(argv)
 
     import torch
@@ -134,13 +147,15 @@ def main(argv=None):
         "causal": lambda: numattn.attention(q, k, v, causal=True),
         "causal, window 4096": lambda: numattn.attention(q, k, v, causal=True, window=(4096, 0)),
     }
-    times = timed_case_by_case(torch, {"scaling": scaling_calls})
-    scaling = {name: times["scaling", name] for name in scaling_calls}
+    times = timed_case_by_case(torch, {"scaling": scaling_calls}, args.passes)
+    scaling = {name: statistics.median(times["scaling", name]) for name in scaling_calls}
     fraction = rows_of_pairs(32768, 4096)
-    ratio = scaling["causal, window 4096"] / scaling["causal"]
+    ratios = [w / c for w, c in zip(times["scaling", "causal, window 4096"], times["scaling", "causal"], strict=True)]
+    ratio = statistics.median(ratios)
     rows.append({"case": "B1 H16 L32768 D128 bf16, window 4096 against causal", "causal_ms": scaling["causal"],
                  "window_ms": scaling["causal, window 4096"], "visible_fraction": fraction, "time_ratio": ratio,
-                 "ratio_over_fraction": ratio / fraction})
+                 "ratio_over_fraction": ratio / fraction,
+                 "ratio_over_fraction_per_pass": [r / fraction for r in ratios]})
     print(f"window 4096 at L32768: {scaling['causal, window 4096']:.3f} ms, causal {scaling['causal']:.3f} ms: "
           f"{ratio:.3f} of the time for {fraction:.3f} of the pairs ({ratio / fraction:.2f}x)", flush=True)
     del q, k, v
@@ -160,7 +175,7 @@ def main(argv=None):
     flex = {} if args.no_flex else flex_calls(torch, q, k, v, slopes)
     for case, call in flex.items():
         contenders[case]["flex"] = lambda call=call: call(q, k, v)
-    times = timed_case_by_case(torch, contenders)
+    times = timed_case_by_case(torch, contenders, args.passes)
     sdpa = {}
     for name in sdpa_backends_taking(torch, q, k, v, is_causal=True):
         with backend_context(name):
@@ -168,14 +183,13 @@ def main(argv=None):
     best = min(sdpa, key=sdpa.get)
     print(f"best SDPA causal: {best} {sdpa[best]:.3f} ms", flush=True)
     for case in cases:
-        row = {"case": f"B4 H16 L8192 D128 bf16, {case}", "numattn_ms": times[case, "numattn"],
-               "flex_ms": times.get((case, "flex")), "sdpa_causal_ms": sdpa[best], "sdpa_backend": best}
-        row["flex_over_numattn"] = row["flex_ms"] and row["flex_ms"] / row["numattn_ms"]
+        row = compared(f"B4 H16 L8192 D128 bf16, {case}", times[case, "numattn"], times.get((case, "flex")))
+        row.update(sdpa_causal_ms=sdpa[best], sdpa_backend=best)
         rows.append(row)
         versus = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
         print(f"{case:22} numattn {row['numattn_ms']:.3f} ms   {versus}", flush=True)
     if args.training:
-        for row in training_rows(torch, q, k, v, slopes, cases, flex):
+        for row in training_rows(torch, q, k, v, slopes, cases, flex, args.passes):
             rows.append(row)
             versus = f"flex {row['flex_ms']:.3f} ms ({row['flex_over_numattn']:.2f}x)" if row["flex_ms"] else "flex -"
             print(f"{row['case']:60} numattn {row['numattn_ms']:.3f} ms   {versus}", flush=True)
