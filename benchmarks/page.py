@@ -375,8 +375,8 @@ def block_variants(data):
     def spread(row, key, decimals):
         """``row[key]``, and the range of the run's passes where it had several."""
         passes = row.get(f"{key}_per_pass", [])
-        spread = f" ({min(passes):.{decimals}f}–{max(passes):.{decimals}f})" if len(passes) > 1 else ""
-        return f"{row[key]:.{decimals}f}{spread}"
+        span = f" ({min(passes):.{decimals}f}–{max(passes):.{decimals}f})" if len(passes) > 1 else ""
+        return f"{row[key]:.{decimals}f}{span}"
 
     lines += ["", f"- Best SDPA causal: {BACKENDS[cases[0]['sdpa_backend']]} {cases[0]['sdpa_causal_ms']:.3f} ms. "
               f"B1 H16 L32768 D128 bf16: causal {scaling['causal_ms']:.3f} ms, window 4096 {scaling['window_ms']:.3f} "

@@ -5,7 +5,7 @@
 Forward passes, bf16, default arguments, on fresh random inputs; each timed as the median of CUDA-event
 timings with the L2 cache flushed. A case's contenders are timed in turns over seven rounds, one case after
 the other, so that the two sides of a ratio meet the GPU in the same state: a short kernel timed right after
-long runs of heavy ones was seen to take up to a fifth longer. The cases are passed over ``--passes`` times
+long runs of heavy ones was seen to take up to 18% longer. The cases are passed over ``--passes`` times
 (three), the GPU's clocks warmed before each pass; a ratio is the median of the passes' ratios, a time the
 median of the passes' times.
 
