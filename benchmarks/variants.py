@@ -33,11 +33,13 @@ def rows_of_pairs(seqlen, left):
     return visible / (seqlen * (seqlen + 1) / 2)
 
 
-def timed_in_turns(torch, calls, rounds=7):
+def timed_in_turns(torch, calls, rounds=5, warm=True):
     """``{name: median ms}`` of ``cuda_time_ms`` of each of ``calls``, the calls taking turns round by round, in
-    the reverse order every other round."""
-    from numattn.bench import cuda_time_ms
+    the reverse order every other round; first, with ``warm``, the GPU's clocks are warmed."""
+    from numattn.bench import cuda_time_ms, warm_clocks
 
+    if warm:
+        warm_clocks(torch, 2.0)
     times = {name: [] for name in calls}
     for round_ in range(rounds):
         for name, call in list(calls.items())[::-1 if round_ % 2 else 1]:
@@ -58,7 +60,7 @@ def timed_case_by_case(torch, cases, passes, rounds=7):
     for _ in range(passes):
         warm_clocks(torch, 2.0)
         for case, calls in cases.items():
-            for name, ms in timed_in_turns(torch, calls, rounds).items():
+            for name, ms in timed_in_turns(torch, calls, rounds, warm=False).items():
                 times[case, name].append(ms)
     return times
 
