@@ -36,7 +36,7 @@ SOURCES = {
     "training": "bench-h200-2026-11-28c",
     "graph": "graph-h200-2026-11-27c",
     "checked": "bench-h200-2026-11-26",
-    "cold-start": "coldstart-h200-2026-11-27d",
+    "cold-start": "coldstart-h200-2026-12-06",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h100-2026-12-06d",
