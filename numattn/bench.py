@@ -623,19 +623,21 @@ imported = time.perf_counter()
 torch.cuda.synchronize()
 times = []
 for _ in range(2):
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     {call}
     torch.cuda.synchronize()
-    times.append(time.perf_counter() - t0)
+    times.append((time.perf_counter() - t0, time.process_time() - cpu0))
 from numattn.kernels.launch import COMPILES
 print(json.dumps({{"torch_numba_import_s": imported_torch - start, "numattn_import_s": imported - imported_torch,
-                  "first_call_s": times[0], "second_call_s": times[1], "compiles": COMPILES}}))
+                  "first_call_s": times[0][0], "first_call_cpu_s": times[0][1], "second_call_s": times[1][0],
+                  "compiles": COMPILES}}))
 """
 
 
 def cold_start_run(case, cache):
     """One fresh process running ``COLD_START_CASES[case]`` with the kernel cache ``cache`` (a directory, or
-    "off"): ``{torch_numba_import_s, numattn_import_s, first_call_s, second_call_s}``."""
+    "off"): ``{torch_numba_import_s, numattn_import_s, first_call_s, first_call_cpu_s, second_call_s,
+    compiles}`` (``first_call_cpu_s``: the processor time of the process's threads during the first call)."""
     import subprocess
     import sys
 
@@ -648,11 +650,14 @@ def cold_start_run(case, cache):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def bench_cold_start(cases=tuple(COLD_START_CASES)):
-    """Rows of {case, cold, warm, off}: each case's times in three fresh processes, one after another:
-    with an empty kernel cache (every kernel compiled and stored), with the cache the first one filled,
-    and with the cache off (compiled again); ``kernels``: how many kernels the case compiled; each process's
-    ``compiles``: ``(label, seconds)`` of the kernels it compiled itself (with the cache off, every one)."""
+def bench_cold_start(cases=tuple(COLD_START_CASES), repeats=3):
+    """Rows of {case, cold, warm, off, off_again, compile_s}: each case's times in fresh processes, one after
+    another: with an empty kernel cache (every kernel compiled and stored), with the cache the first one
+    filled, and ``repeats`` times with the cache off (compiled again: ``off``, then ``off_again``'s list);
+    ``kernels``: how many kernels the case compiled; each process's ``compiles``: ``(label, seconds)`` of the
+    kernels it compiled itself (with the cache off, every one). ``compile_s``: each kernel's label and its
+    compile times in every process that compiled it, each a first-ever compile (a process compiles from
+    nothing), which vary by a third from process to process on a machine's shared processors."""
     import tempfile
     from pathlib import Path
 
@@ -661,12 +666,16 @@ def bench_cold_start(cases=tuple(COLD_START_CASES)):
     rows = []
     for case in cases:
         with tempfile.TemporaryDirectory() as directory:
-            row = {"case": case}
-            for label, cache in (("cold", directory), ("warm", directory), ("off", "off")):
-                row[label] = cold_start_run(case, cache)
-                if label == "cold":
-                    row["kernels"] = len(kernel_cache.entries(Path(directory)))  # the kernels the call compiled
-            rows.append(row)
+            row = {"case": case, "cold": cold_start_run(case, directory)}
+            row["kernels"] = len(kernel_cache.entries(Path(directory)))  # the kernels the call compiled
+            row["warm"] = cold_start_run(case, directory)
+        off = [cold_start_run(case, "off") for _ in range(repeats)]
+        row["off"], row["off_again"] = off[0], off[1:]
+        row["compile_s"] = {}
+        for run in [row["cold"], *off]:
+            for label, seconds in run["compiles"]:
+                row["compile_s"].setdefault(label, []).append(seconds)
+        rows.append(row)
     return rows
 
 
@@ -792,8 +801,8 @@ def main(args):
             print(f"  {row['case']:48} {row['cold']['first_call_s']:7.2f} | {row['warm']['first_call_s']:6.3f} | "
                   f"{row['off']['first_call_s']:7.2f}   {row['kernels']} kernels   second call "
                   f"{row['warm']['second_call_s'] * 1e3:6.2f} ms   import {row['warm']['numattn_import_s']:.2f} s")
-            for label, seconds in row["off"]["compiles"]:  # the cache off: every kernel compiled in the process
-                print(f"      {seconds:6.2f} s  {label}")
+            for label, seconds in row["compile_s"].items():  # every process that compiled the kernel
+                print(f"      {statistics.median(seconds):6.2f} s  ({', '.join(f'{t:.2f}' for t in seconds)})  {label}")
     print(resource_report())
     if args.json:
         with open(args.json, "w") as f:

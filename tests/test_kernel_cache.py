@@ -242,6 +242,30 @@ def test_a_compile_leaves_the_garbage_collector_as_it_found_it(enabled):
         (gc.enable if was else gc.disable)()
 
 
+def test_the_quicker_option_values_are_numbas():
+    """The options' dictionary a compile builds without a property call per option is the one numba's
+    ``TargetConfig.values`` builds: with no option set, some set, and after an option is deleted again;
+    equal configurations hash alike."""
+    from numba.cuda.core.targetconfig import TargetConfig
+    from numba.cuda.flags import Flags
+
+    numbas = TargetConfig.__dict__["values"]
+    numbas = numbas if numbas is not launch._option_values else None
+    config, other = Flags(), Flags()
+    for step in (lambda: None, lambda: setattr(config, "fastmath", True), lambda: setattr(config, "boundscheck", True),
+                 lambda: setattr(config, "error_model", "numpy"), lambda: delattr(config, "boundscheck")):
+        step()
+        values = launch._option_values(config)
+        assert list(values) == list(Flags.options)
+        assert values == {name: getattr(config, name) for name in Flags.options}
+        if numbas is not None:
+            assert values == numbas(config)
+    other.fastmath, other.error_model = True, "numpy"
+    launch._quicker_option_values()
+    assert TargetConfig.values is launch._option_values
+    assert config == other and hash(config) == hash(other) and config != Flags()
+
+
 def test_a_compile_runs_through_one_frame_stack_chunk():
     """The call that runs a compile in one chunk of Python's frame stack passes its arguments through and
     returns the result, exceptions included, at any depth of the caller's stack."""

@@ -220,12 +220,43 @@ def _collector_paused():
             gc.enable()
 
 
+_OPTION_DEFAULTS = {}
+"""Each ``TargetConfig`` class's option defaults, by class, for ``_option_values``."""
+
+
+def _option_values(config):
+    """``TargetConfig.values`` (a compile's options as a dict) as the defaults of ``config``'s class updated
+    with the options set on it: the same dict, built without a property call per option. numba builds it
+    twice for every overload resolved (to hash and compare the options in its cache of implementations),
+    tens of thousands of times in a kernel's compile: a twentieth of it."""
+    cls = type(config)
+    defaults = _OPTION_DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _OPTION_DEFAULTS[cls] = {name: option.default for name, option in cls.options.items()}
+    return {**defaults, **config._values}
+
+
+@functools.lru_cache(maxsize=None)
+def _quicker_option_values():
+    """Install ``_option_values`` as numba's ``TargetConfig.values`` where it gives numba's values: for the
+    compile flags' class, with no option set and with several set (a numba-cuda whose options are kept
+    otherwise keeps its own method)."""
+    from numba.cuda.core.targetconfig import TargetConfig
+    from numba.cuda.flags import Flags
+
+    probes = [Flags(), Flags()]
+    probes[1].fastmath, probes[1].forceinline, probes[1].error_model = True, True, "numpy"
+    if all(_option_values(probe) == TargetConfig.values(probe) for probe in probes):
+        TargetConfig.values = _option_values
+
+
 def _compile(dispatcher, argtypes, label, cc=None):
     """The ``kernel_cache.Entry`` of ``dispatcher`` compiled by numba for ``argtypes``: its cubin, linked for
     compute capability ``cc`` (the current device's by default) as numba links it (sm_90a on sm_90, where
     wgmma needs it)."""
     start = time.perf_counter()
     cc = cc or cuda.get_current_device().compute_capability
+    _quicker_option_values()
     with _collector_paused():
         library, entry_name = _in_one_stack_chunk(_lowered, dispatcher, tuple(argtypes), cc, label)
         cubin = library.get_cubin((*cc, "a" if cc >= (9, 0) else ""))  # arch-specific from sm_90 on, as numba links
