@@ -312,11 +312,11 @@ def test_key_splits_offered_to_the_tensor_core_kernels():
 def test_tensor_copies_where_a_map_describes_the_operands():
     """A producer's copies go by tensor maps for dense or packed operands, but not for operands repeated by
     ``expand`` (a stride of 0), which a map cannot step along: those take ``cp.async``, and a broadcast output
-    gradient is copied to contiguous rows for the backward's maps."""
+    gradient is read from a contiguous copy by the backward's maps."""
     torch = pytest.importorskip("torch")
     from numattn.kernels.tensor_maps import encode_tile_map
     from numattn.ops.attention import _attention_kernel, validate
-    from numattn.ops.backward import _copyable_rows
+    from numattn.ops.backward import _rows_fit
 
     producer = WgmmaConfig(128, 2, 3, producer=True)
     q = np.ones((2, 4, 256, 128), np.float16)
@@ -329,7 +329,7 @@ def test_tensor_copies_where_a_map_describes_the_operands():
     with pytest.raises(ValueError, match="a tensor map cannot repeat rows"):
         encode_tile_map(0, (2, 4, 256, 128), (0, 256 * 256, 256, 2), 128)
     grad = torch.ones(128, dtype=torch.bfloat16).expand(2, 4, 256, 128)
-    assert _copyable_rows(grad).is_contiguous() and not grad.is_contiguous()
+    assert not _rows_fit(grad) and _rows_fit(grad.contiguous())
 
 
 def test_tensor_map_cache_uploads_once_per_stream_and_operands(monkeypatch):

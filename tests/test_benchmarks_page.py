@@ -61,3 +61,25 @@ def test_a_run_names_the_sources_it_measured(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{16}", digest) and digest == package_digest()
     (copy / "kernels" / "launch.py").write_text((copy / "kernels" / "launch.py").read_text() + "\n")
     assert package_digest(copy) != digest
+
+
+def test_the_cold_start_bench_gathers_each_kernels_compiles(monkeypatch):
+    """``bench_cold_start`` runs a case with the cache empty, filled, then ``repeats`` times off, and gathers
+    each kernel's compile times from every process that compiled it (a filled cache compiles nothing)."""
+    from numattn import bench
+
+    calls = []
+
+    def fake_run(case, cache):
+        calls.append(cache)
+        compiled = [] if len(calls) == 2 else [("main kernel", 3.0 + len(calls))]
+        if cache == "off":
+            compiled.append(("small kernel", 0.25))
+        return {"first_call_s": 1.0, "compiles": compiled}
+
+    monkeypatch.setattr(bench, "cold_start_run", fake_run)
+    (row,) = bench.bench_cold_start(cases=("decode fp16 D128",), repeats=3)
+    assert calls[:2] == [calls[0], calls[0]] and calls[0] != "off" and calls[2:] == ["off"] * 3
+    assert row["off"]["compiles"][0] == ("main kernel", 6.0) and len(row["off_again"]) == 2
+    assert row["compile_s"] == {"main kernel": [4.0, 6.0, 7.0, 8.0], "small kernel": [0.25] * 3}
+    assert row["kernels"] == 0  # the fake compiled nothing into the cache

@@ -111,7 +111,7 @@ def test_tensor_core_gradients_over_many_tiles(dtype, causal, seqlens):
                                                                  tensor_copies=True)],
                          ids=["computing-warpgroups-copy", "producer", "producer-3-stages", "producer-2-ds-buffers",
                               "tensor-copies"])
-def test_warpgroup_gradients(producer_config, monkeypatch):
+def test_warpgroup_gradients(producer_config, monkeypatch, fresh_plans):
     """The wgmma backward (sm_90, head dims multiples of 64; the simulator reports sm_90): a GQA group,
     query tiles enough to go round the stages, two key blocks, causal with partial tiles; the default
     configuration at head dim 64, and two warpgroups beside a producer at head dim 128, with two stages of
@@ -256,9 +256,9 @@ def test_backward_kernel_specs_type_the_tensors_it_launches_on(monkeypatch):
     launched = []
     launch = backward_module._launch
 
-    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
+    def recording(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=(), prepared=None):
         launched.append((spec, arrays, scalars, mods or ((), ()), offsets))
-        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods, offsets)
+        launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods, offsets, prepared)
 
     def typed(tensors):
         return tuple(types.Array(numba.from_dtype(storage_dtype(str(x.dtype).removeprefix("torch."))), x.dim(), "A")

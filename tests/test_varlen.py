@@ -540,7 +540,8 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where,
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_backward_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, monkeypatch):
+def test_backward_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, monkeypatch,
+                                                                                  fresh_plans):
     """The wgmma backward's tensor copies over packed sequences: a query tile that runs past its sequence's rows
     is copied with zeros past them, so NaN queries and output gradients of the next sequence (which has no
     keys) leave the gradients of the sequence before it finite and right; whole tiles come by tensor copies."""

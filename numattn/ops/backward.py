@@ -14,7 +14,7 @@ import numba
 import numpy as np
 from numba import types
 
-from .._arrays import describe, host_storage, storage_dtype, upload_on_torch_stream
+from .._arrays import describe, host_storage, storage_dtype, torch_current, upload_on_torch_stream
 from .._cuda import SIMULATOR, simulating
 from ..configs.backward import (
     BackwardMmaConfig,
@@ -34,6 +34,7 @@ from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
 from ..kernels.tensor_maps import TensorMapCache, forget, steps_along_every_axis, tile_map
+from .plans import PLANS, array_signature
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -52,14 +53,12 @@ def backward_config(dtype, head_dim, head_dim_v, device=0):
     return choose_backward_config(head_dim, head_dim_v, limits["max_shared"], SIMULATOR)
 
 
-def _copyable_rows(x):
-    """``x``, or a contiguous copy where its rows are unfit for 16-byte copies (a strided last axis, rows
-    not 16-byte aligned) or for a tensor map (an axis of more than one element with a stride of 0, as an
-    output gradient broadcast by ``expand`` has)."""
+def _rows_fit(x):
+    """Whether ``x``'s rows suit 16-byte copies (a unit last stride, rows 16-byte aligned) and a tensor map
+    (no axis of more than one element with a stride of 0, as an output gradient broadcast by ``expand``
+    has); the backward reads a contiguous copy of an operand whose rows do not."""
     rows_aligned = all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-    aligned = (x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned
-               and steps_along_every_axis(x.shape, x.stride()))
-    return x if aligned else x.contiguous()
+    return x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and rows_aligned and steps_along_every_axis(x.shape, x.stride())
 
 
 def backward_kernel(name, dtype, head_dim, head_dim_v, causal, config=None, mods=NO_MODS, sequences=DENSE):
@@ -140,10 +139,12 @@ def compile_backward_ahead(dtype, head_dim, head_dim_v, causal, device, mods=NO_
         compile_ahead(backward_specs(dtype, head_dim, head_dim_v, causal, device, mods), device)
 
 
-def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
+def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=(), prepared=None):
     """Launch the kernel of ``spec`` on ``(*arrays, *scalars)`` and, given ``mods`` ``(mod_arrays, mod_scalars)``,
     ``(*mod_arrays, *mod_scalars)`` after them, then the int32 ``offsets`` of packed sequences: torch tensors
-    (16-bit floats as uint16 storage), float32 scalars, the score modifications' ints and float32s."""
+    (16-bit floats as uint16 storage), float32 scalars, the score modifications' ints and float32s. On a GPU
+    the launch is prepared at its first call and kept in the dict ``prepared`` (a backward plan's, whose
+    arrays keep their layouts from call to call) under ``spec``'s label: later calls pass data pointers."""
     mod_arrays, mod_scalars = mods or ((), ())
     if SIMULATOR:
         views = [host_storage(x, describe(x, "array")) for x in (*arrays, *mod_arrays)]
@@ -151,19 +152,19 @@ def _launch(spec, grid, threads, shared_bytes, arrays, scalars, stream, mods=Non
             grid, threads, *views[:len(arrays)], *scalars, *views[len(arrays):], *mod_scalars,
             *(x.numpy() for x in offsets))
         return
-    layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
-    tail_layout = tuple((tuple(x.shape), x.stride()) for x in (*mod_arrays, *offsets))
-    launch = _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout, len(mod_arrays),
-                       tuple(mod_scalars), arrays[0].device.index)
+    launch = prepared.get(spec.label)
+    if launch is None:
+        layout = tuple((tuple(x.shape), x.stride()) for x in arrays)
+        tail_layout = tuple((tuple(x.shape), x.stride()) for x in (*mod_arrays, *offsets))
+        launch = prepared[spec.label] = _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout,
+                                                  len(mod_arrays), tuple(mod_scalars), arrays[0].device.index)
     launch(stream, *(x.data_ptr() for x in (*arrays, *mod_arrays, *offsets)))
 
 
-@functools.lru_cache(maxsize=256)
 def _prepared(spec, grid, threads, shared_bytes, layout, scalars, tail_layout, mod_count, mod_scalars, device):
     """The prepared launch of ``spec``'s kernel on arrays of ``layout`` (shape and strides of each, their
     types those of ``spec``), ``scalars``, then the first ``mod_count`` arrays of ``tail_layout`` and
-    ``mod_scalars``, then the rest of ``tail_layout`` (the offsets), built once per training shape rather
-    than on every backward call."""
+    ``mod_scalars``, then the rest of ``tail_layout`` (the offsets)."""
     launcher = compiled(spec.factory(*spec.args), spec.argtypes, device, shared_bytes, spec.label)
     itemsizes = [t.dtype.bitwidth // 8 for t in spec.argtypes if isinstance(t, types.Array)]
 
@@ -192,8 +193,6 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
     packed sequences as ``attention_varlen`` takes them, ``q``, ``o``, ``do`` ``[total_q, Hq, D]``, ``k``,
     ``v`` ``[total_k, Hkv, D]``, ``lse`` ``[Hq, total_q]``; the gradients are packed like their inputs, with
     rows of no sequence 0."""
-    import torch
-
     if SIMULATOR and not simulating():  # no GPU: the CPU path
         return _cpu_backward(q, k, v, o, lse, do, causal, scale, options, alibi, sequences)
     if not SIMULATOR and not q.is_cuda:  # host tensors on a GPU machine: computed on the GPU, as the forward is
@@ -202,73 +201,121 @@ def attention_backward(q, k, v, o, lse, do, *, causal, scale, options=NO_OPTIONS
         grads = attention_backward(*moved[:6], causal=causal, scale=scale, options=options, alibi=moved[6],
                                    sinks=moved[7], sequences=moved_sequences)
         return tuple(g.cpu() for g in grads)
-    dtype = str(q.dtype).removeprefix("torch.")
-    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-    layout = DENSE if sequences is None else SequenceLayout(varlen=True)
-    config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
-    stream = 0 if SIMULATOR else torch.cuda.current_stream(q.device).cuda_stream
-    specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods, layout)
-    unused = torch.zeros(1, dtype=torch.float32, device=q.device)
-    if sequences is None:
-        batch, heads, seqlen_q = q.shape[:3]
-        heads_kv, seqlen_kv = k.shape[1:3]
-        offsets, views = (), (q, k, v, o, do)
-        new = torch.empty  # every gradient row is written
-        # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
-        rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
-        rows_shape, row_count = (batch, heads, rows), batch * heads * rows
-    else:
-        cu_q, cu_k, seqlen_kv = sequences
-        offsets, batch = (cu_q, cu_k), cu_q.shape[0] - 1
-        heads, heads_kv = q.shape[1], k.shape[1]
-        views = tuple(x.unsqueeze(0).transpose(1, 2) for x in (q, k, v, o, do))  # [1, heads, total, dim]
-        lse = lse.unsqueeze(0)
-        new = torch.zeros  # rows of no sequence stay 0
-        rows_shape, row_count = (1, heads, padded_rows_count(q.shape[0], batch)), heads * q.shape[0]
-    q4, k4, v4 = views[:3]
-    o4, do4 = (_copyable_rows(x) for x in views[3:])  # the rows kernel reads 16-byte chunks of their rows
-    mods = ((unused[None] if alibi is None else alibi.float().expand(batch, heads),
-             unused if sinks is None else sinks.float()), tuple(options.scalars()))
+    offsets = () if sequences is None else tuple(sequences[:2])
+    key = ("attention backward", *map(array_signature, (q, k, v, o, lse, do, alibi, sinks, *offsets)), causal, scale,
+           options.window, options.softcap, None if sequences is None else sequences[2])
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = BackwardPlan(q, k, v, o, do, causal, scale, options, sequences)
+        PLANS.store(key, plan)
+    return plan(q, k, v, o, lse, do, alibi, sinks, offsets)
 
-    delta = new(rows_shape, dtype=torch.float32, device=q.device)
-    lse2 = new(rows_shape, dtype=torch.float32, device=q.device)
-    _launch(specs["rows"], rows_grid(row_count if sequences is not None else delta.numel(), ROW_THREADS), THREADS, 0,
-            (o4, do4, lse.float(), delta, lse2), (), stream, offsets=offsets[:1])
 
-    def packed_like(x, dtype, make):
-        """A gradient for ``x`` (its shape), and its kernel view."""
-        grad = make(x.shape, dtype=dtype, device=x.device)
-        return grad, (grad if sequences is None else grad.unsqueeze(0).transpose(1, 2))
+class BackwardPlan:
+    """The backward of one call signature (the dtypes, shapes, strides, devices and alignments of its
+    tensors, its flags and score modifications), worked out once: the tile configuration and kernels,
+    which operands the kernels read as contiguous copies, the buffers' shapes, the launch grids, and on a
+    GPU each kernel's prepared launch (made at its first launch).
 
-    if config is None:
-        (dk, dk4), (dv, dv4), (dq, dq4) = (packed_like(x, torch.float32, new) for x in (k, v, q))
-        _launch(specs["dq"], rows_grid(q.numel() // head_dim), THREADS, 0, (q4, k4, v4, do4, lse2, delta, dq4),
-                (np.float32(scale),), stream, mods, offsets)
-        _launch(specs["dkdv"], rows_grid(k.numel() // head_dim), THREADS, 0, (q4, k4, v4, do4, lse2, delta, dk4, dv4),
-                (np.float32(scale),), stream, mods, offsets)
+    ``plan(q, k, v, o, lse, do, alibi, sinks, offsets)`` runs it on tensors of that signature (``offsets``:
+    ``(cu_seqlens_q, cu_seqlens_k)`` of packed sequences, or ``()``) and returns ``(dq, dk, dv)``.
+    """
+
+    def __init__(self, q, k, v, o, do, causal, scale, options, sequences):
+        import torch
+
+        dtype = str(q.dtype).removeprefix("torch.")
+        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+        self.varlen = sequences is not None
+        config = self.config = backward_config(dtype, head_dim, head_dim_v, 0 if SIMULATOR else q.device.index)
+        self.specs = _backward_specs(dtype, head_dim, head_dim_v, bool(causal), config, options.mods,
+                                     SequenceLayout(varlen=True) if self.varlen else DENSE)
+        self.scale, self.scale_log2 = np.float32(scale), np.float32(scale * LOG2E_F32)
+        self.mod_scalars = tuple(options.scalars())
+        if not self.varlen:
+            self.batch, self.heads, seqlen_q = q.shape[:3]
+            seqlen_kv = k.shape[2]
+            self.new = torch.empty  # every gradient row is written
+            # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
+            rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
+            self.rows_shape, row_count = (self.batch, self.heads, rows), self.batch * self.heads * rows
+        else:
+            seqlen_kv, self.batch, self.heads = sequences[2], sequences[0].shape[0] - 1, q.shape[1]
+            self.new = torch.zeros  # rows of no sequence stay 0
+            self.rows_shape = (1, self.heads, padded_rows_count(q.shape[0], self.batch))
+            row_count = self.heads * q.shape[0]
+        self.rows_grid = rows_grid(row_count, ROW_THREADS)
+        # which of q, k, v, o, do the kernels read as contiguous copies: the rows kernel reads 16-byte chunks
+        # of o's and do's rows, the tensor-core kernel those of all five
+        self.copied = [(config is not None or i >= 3) and not _rows_fit(x)
+                       for i, x in enumerate(self._views(q, k, v, o, do))]
+        self.placeholder = torch.empty(1, dtype=torch.float32, device=q.device)  # absent ALiBi slopes, sinks
+        self.no_alibi = self.placeholder[None]
+        self.stream = (lambda: 0) if SIMULATOR else functools.partial(torch_current()[1], q.device.index)
+        if config is None:
+            self.dq_grid, self.dkdv_grid = rows_grid(q.numel() // head_dim), rows_grid(k.numel() // head_dim)
+        else:
+            self.tiles_grid = -(-seqlen_kv // config.block_n) * self.batch * k.shape[1]
+            self.tiles_shared = config.shared_bytes(head_dim, head_dim_v)
+            self.tiled_dq = "dq rows" in self.specs  # whole tiles in the wgmma kernel's fragment order
+            self.accumulator_shape = ((*self.rows_shape[:2], self.rows_shape[2] * head_dim) if self.tiled_dq
+                                      else q.shape)
+            self.dq_rows_grid = -(-q.numel() // 8 // DQ_ROWS_THREADS)
+        self.prepared = {}
+
+    def _views(self, *tensors):
+        """The kernels' 4-D views of ``tensors``: packed ones ``[total, heads, dim]`` as ``[1, heads, total, dim]``."""
+        return tuple(x.unsqueeze(0).transpose(1, 2) for x in tensors) if self.varlen else tensors
+
+    def _launch(self, name, grid, threads, shared_bytes, arrays, scalars, stream, mods=None, offsets=()):
+        _launch(self.specs[name], grid, threads, shared_bytes, arrays, scalars, stream, mods, offsets, self.prepared)
+
+    def __call__(self, q, k, v, o, lse, do, alibi, sinks, offsets):
+        import torch
+
+        stream, device, new = self.stream(), q.device, self.new
+        q4, k4, v4, o4, do4 = (x.contiguous() if copy else x
+                               for x, copy in zip(self._views(q, k, v, o, do), self.copied, strict=True))
+        lse = lse.unsqueeze(0) if self.varlen else lse
+        mods = ((self.no_alibi if alibi is None else alibi.float().expand(self.batch, self.heads),
+                 self.placeholder if sinks is None else sinks.float()), self.mod_scalars)
+        delta = new(self.rows_shape, dtype=torch.float32, device=device)
+        lse2 = new(self.rows_shape, dtype=torch.float32, device=device)
+        self._launch("rows", self.rows_grid, THREADS, 0, (o4, do4, lse.float(), delta, lse2), (), stream,
+                     offsets=offsets[:1])
+
+        def packed_like(x, dtype, make):
+            """A gradient for ``x`` (its shape), and its kernel view."""
+            grad = make(x.shape, dtype=dtype, device=device)
+            return grad, self._views(grad)[0]
+
+        config = self.config
+        if config is None:
+            (dk, dk4), (dv, dv4), (dq, dq4) = (packed_like(x, torch.float32, new) for x in (k, v, q))
+            self._launch("dq", self.dq_grid, THREADS, 0, (q4, k4, v4, do4, lse2, delta, dq4), (self.scale,), stream,
+                         mods, offsets)
+            self._launch("dkdv", self.dkdv_grid, THREADS, 0, (q4, k4, v4, do4, lse2, delta, dk4, dv4), (self.scale,),
+                         stream, mods, offsets)
+            return dq, dk, dv
+        # the float32 accumulator of dQ, to which the kernel adds each key tile's share: whole tiles in the
+        # wgmma kernel's fragment order, with the rows of lse2, or packed like q
+        if self.tiled_dq:
+            accumulator = dq4 = torch.zeros(self.accumulator_shape, dtype=torch.float32, device=device)
+        else:
+            accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
+        (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
+        maps = _query_tile_maps(q4, do4, config.block_m, stream) if tensor_copies(config) else ()
+        self._launch("tiles", self.tiles_grid, config.num_threads, self.tiles_shared,
+                     (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (self.scale, self.scale_log2), stream, mods,
+                     (*offsets, *maps))
+        if SIMULATOR and maps:
+            forget(maps[0].numpy())
+        if not self.tiled_dq:
+            return accumulator.to(q.dtype), dk, dv
+        dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
+        self._launch("dq rows", self.dq_rows_grid, DQ_ROWS_THREADS, 0, (accumulator, dq_rows), (), stream,
+                     offsets=offsets[:1])
         return dq, dk, dv
-    q4, k4, v4 = (_copyable_rows(x) for x in (q4, k4, v4))
-    # the float32 accumulator of dQ, to which the kernel adds each key tile's share
-    tiled_dq = "dq rows" in specs  # whole tiles in the wgmma kernel's fragment order, with the rows of lse2
-    if tiled_dq:
-        accumulator = dq4 = torch.zeros((*rows_shape[:2], rows_shape[2] * head_dim), dtype=torch.float32,
-                                        device=q.device)
-    else:
-        accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
-    (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
-    grid = -(-seqlen_kv // config.block_n) * batch * heads_kv
-    maps = _query_tile_maps(q4, do4, config.block_m, stream) if tensor_copies(config) else ()
-    _launch(specs["tiles"], grid, config.num_threads, config.shared_bytes(head_dim, head_dim_v),
-            (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (np.float32(scale), np.float32(scale * LOG2E_F32)), stream,
-            mods, (*offsets, *maps))
-    if SIMULATOR and maps:
-        forget(maps[0].numpy())
-    if not tiled_dq:
-        return accumulator.to(q.dtype), dk, dv
-    dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
-    _launch(specs["dq rows"], -(-dq.numel() // 8 // DQ_ROWS_THREADS), DQ_ROWS_THREADS, 0, (accumulator, dq_rows), (),
-            stream, offsets=offsets[:1])
-    return dq, dk, dv
 
 
 def _query_tile_maps(q4, do4, box_rows, stream):
