@@ -16,6 +16,7 @@ Needs only the standard library (no GPU, no numattn import).
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -36,7 +37,7 @@ SOURCES = {
     "training": "bench-h200-2026-11-28c",
     "graph": "graph-h200-2026-11-27c",
     "checked": "bench-h200-2026-11-26",
-    "cold-start": "coldstart-h200-2026-12-06",
+    "cold-start": "coldstart-h100-2026-12-06b",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h100-2026-12-06d",
@@ -297,16 +298,22 @@ def block_checked(data):
 def block_cold_start(data):
     rows = []
     for r in data["cold_start"]:
+        compiles = " + ".join(f"{statistics.median(times):.2f}" for times in r["compile_s"].values())
         rows.append([COLD_START.get(r["case"], r["case"]), num(r["cold"]["first_call_s"], 2),
-                     num(r["warm"]["first_call_s"], 3), num(r["off"]["first_call_s"], 2),
+                     num(r["warm"]["first_call_s"], 3), num(r["off"]["first_call_s"], 2), compiles or "–",
                      f"{r['warm']['second_call_s'] * 1e3:.2f} ms", num(r["warm"]["numattn_import_s"], 2)])
-    lines = table(["first call, s", "kernel cache empty", "filled", "off", "second call", "import of numattn, s"], rows)
+    lines = table(["first call, s", "kernel cache empty", "filled", "off", "its kernels' compiles, median s",
+                   "second call", "import of numattn, s"], rows)
     ours = [r for r in data["cold_start"] if not r["case"].startswith("torch")]
     filled = [r["warm"]["first_call_s"] for r in ours]
     imports = [r[k]["numattn_import_s"] for r in ours for k in ("cold", "warm", "off")]
-    kernel_calls = [r for r in ours if r["case"].startswith(("attention", "decode"))]  # the compile target's calls
-    firsts = [r["cold"]["first_call_s"] for r in kernel_calls]
-    compiles = [seconds for r in kernel_calls for _, seconds in r["off"]["compiles"]]
+    kernels = {label: times for r in ours for label, times in r["compile_s"].items()}  # attention, decode, MLA
+    processes = min(map(len, kernels.values()))
+    medians = {label: statistics.median(times) for label, times in kernels.items()}
+    slowest = max(medians, key=medians.get)
+    slowest_row = next(COLD_START.get(r["case"], r["case"]) for r in ours if slowest in r["compile_s"])
+    single = [t for times in kernels.values() for t in times]
+    firsts = [r["cold"]["first_call_s"] for r in ours]
     steps = data["gqa_transformer_300_steps_s"]
     ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
     lines += ["", f"`examples/gqa_transformer.py --steps 300`: {steps['cache empty']['numattn']} s with the cache empty "
@@ -316,9 +323,11 @@ def block_cold_start(data):
                      max(filled) <= 1),
               target(f"`import numattn` ≤ 1 s on top of torch and numba ({min(imports):.2f}–{max(imports):.2f} s)",
                      max(imports) <= 1),
-              target(f"a first-ever compile ≤ 5 s per attention or decode kernel (the calls' first times above, "
-                     f"{min(firsts):.2f}–{max(firsts):.2f} s; their kernels' compiles with the "
-                     f"cache off {min(compiles):.2f}–{max(compiles):.2f} s)", max(firsts) <= 5),
+              target(f"a first-ever compile ≤ 5 s per attention or decode kernel: each kernel's median over the "
+                     f"{processes}–{max(map(len, kernels.values()))} fresh processes that compiled it, at most "
+                     f"{medians[slowest]:.2f} s (row {slowest_row}); single compiles up to "
+                     f"{max(single):.2f} s, the calls' first times with the cache empty "
+                     f"{min(firsts):.2f}–{max(firsts):.2f} s", medians[slowest] <= 5),
               target(f"the example's 300 steps with the cache filled within 1.5× SDPA's time ({ratio:.2f}×)", ratio <= 1.5)]
     return lines
 

@@ -235,16 +235,22 @@ class BackwardPlan:
         if not self.varlen:
             self.batch, self.heads, seqlen_q = q.shape[:3]
             seqlen_kv = k.shape[2]
-            self.new = torch.empty  # every gradient row is written
             # delta and lse2 padded to whole query tiles (the tensor-core kernel copies them by tiles)
             rows = seqlen_q if config is None else -(-seqlen_q // config.block_m) * config.block_m
             self.rows_shape, row_count = (self.batch, self.heads, rows), self.batch * self.heads * rows
         else:
             seqlen_kv, self.batch, self.heads = sequences[2], sequences[0].shape[0] - 1, q.shape[1]
-            self.new = torch.zeros  # rows of no sequence stay 0
             self.rows_shape = (1, self.heads, padded_rows_count(q.shape[0], self.batch))
             row_count = self.heads * q.shape[0]
         self.rows_grid = rows_grid(row_count, ROW_THREADS)
+
+        def maker(shape, dtype, zeroed=self.varlen):
+            """A new tensor of ``shape`` and ``dtype``, zeroed or not (packed sequences' buffers are zeroed: their
+            rows of no sequence stay 0), as ``torch.empty_like`` of a stride-0 view: torch's cheapest allocation."""
+            template = torch.empty(1, dtype=dtype, device=q.device).expand(shape)
+            return functools.partial(torch.zeros_like if zeroed else torch.empty_like, template)
+
+        self.new_rows = maker(self.rows_shape, torch.float32)
         # which of q, k, v, o, do the kernels read as contiguous copies: the rows kernel reads 16-byte chunks
         # of o's and do's rows, the tensor-core kernel those of all five
         self.copied = [(config is not None or i >= 3) and not _rows_fit(x)
@@ -254,12 +260,18 @@ class BackwardPlan:
         self.stream = (lambda: 0) if SIMULATOR else functools.partial(torch_current()[1], q.device.index)
         if config is None:
             self.dq_grid, self.dkdv_grid = rows_grid(q.numel() // head_dim), rows_grid(k.numel() // head_dim)
+            self.new_dq, self.new_dk, self.new_dv = (maker(x.shape, torch.float32) for x in (q, k, v))
         else:
             self.tiles_grid = -(-seqlen_kv // config.block_n) * self.batch * k.shape[1]
             self.tiles_shared = config.shared_bytes(head_dim, head_dim_v)
             self.tiled_dq = "dq rows" in self.specs  # whole tiles in the wgmma kernel's fragment order
-            self.accumulator_shape = ((*self.rows_shape[:2], self.rows_shape[2] * head_dim) if self.tiled_dq
-                                      else q.shape)
+            # the float32 accumulator of dQ, to which the kernel adds each key tile's share: whole tiles in the
+            # wgmma kernel's fragment order, with the rows of lse2, or packed like q
+            accumulator_shape = (*self.rows_shape[:2], self.rows_shape[2] * head_dim) if self.tiled_dq else q.shape
+            self.new_accumulator = maker(accumulator_shape, torch.float32, zeroed=True)
+            # dq in order from the accumulator (every row written), or the accumulator's conversion
+            self.new_dq = maker(q.shape, q.dtype, zeroed=False) if self.tiled_dq else None
+            self.new_dk, self.new_dv = maker(k.shape, k.dtype), maker(v.shape, v.dtype)
             self.dq_rows_grid = -(-q.numel() // 8 // DQ_ROWS_THREADS)
         self.prepared = {}
 
@@ -271,49 +283,38 @@ class BackwardPlan:
         _launch(self.specs[name], grid, threads, shared_bytes, arrays, scalars, stream, mods, offsets, self.prepared)
 
     def __call__(self, q, k, v, o, lse, do, alibi, sinks, offsets):
-        import torch
-
-        stream, device, new = self.stream(), q.device, self.new
+        stream = self.stream()
         q4, k4, v4, o4, do4 = (x.contiguous() if copy else x
                                for x, copy in zip(self._views(q, k, v, o, do), self.copied, strict=True))
         lse = lse.unsqueeze(0) if self.varlen else lse
         mods = ((self.no_alibi if alibi is None else alibi.float().expand(self.batch, self.heads),
                  self.placeholder if sinks is None else sinks.float()), self.mod_scalars)
-        delta = new(self.rows_shape, dtype=torch.float32, device=device)
-        lse2 = new(self.rows_shape, dtype=torch.float32, device=device)
+        delta, lse2 = self.new_rows(), self.new_rows()
         self._launch("rows", self.rows_grid, THREADS, 0, (o4, do4, lse.float(), delta, lse2), (), stream,
                      offsets=offsets[:1])
-
-        def packed_like(x, dtype, make):
-            """A gradient for ``x`` (its shape), and its kernel view."""
-            grad = make(x.shape, dtype=dtype, device=device)
-            return grad, self._views(grad)[0]
-
         config = self.config
+        dk, dv = self.new_dk(), self.new_dv()
+        dk4, dv4 = self._views(dk, dv)
         if config is None:
-            (dk, dk4), (dv, dv4), (dq, dq4) = (packed_like(x, torch.float32, new) for x in (k, v, q))
+            dq = self.new_dq()
+            (dq4,) = self._views(dq)
             self._launch("dq", self.dq_grid, THREADS, 0, (q4, k4, v4, do4, lse2, delta, dq4), (self.scale,), stream,
                          mods, offsets)
             self._launch("dkdv", self.dkdv_grid, THREADS, 0, (q4, k4, v4, do4, lse2, delta, dk4, dv4), (self.scale,),
                          stream, mods, offsets)
             return dq, dk, dv
-        # the float32 accumulator of dQ, to which the kernel adds each key tile's share: whole tiles in the
-        # wgmma kernel's fragment order, with the rows of lse2, or packed like q
-        if self.tiled_dq:
-            accumulator = dq4 = torch.zeros(self.accumulator_shape, dtype=torch.float32, device=device)
-        else:
-            accumulator, dq4 = packed_like(q, torch.float32, torch.zeros)
-        (dk, dk4), (dv, dv4) = packed_like(k, k.dtype, new), packed_like(v, v.dtype, new)
+        accumulator = self.new_accumulator()
+        (accumulator4,) = (accumulator,) if self.tiled_dq else self._views(accumulator)
         maps = _query_tile_maps(q4, do4, config.block_m, stream) if tensor_copies(config) else ()
         self._launch("tiles", self.tiles_grid, config.num_threads, self.tiles_shared,
-                     (q4, k4, v4, do4, lse2, delta, dq4, dk4, dv4), (self.scale, self.scale_log2), stream, mods,
-                     (*offsets, *maps))
+                     (q4, k4, v4, do4, lse2, delta, accumulator4, dk4, dv4), (self.scale, self.scale_log2), stream,
+                     mods, (*offsets, *maps))
         if SIMULATOR and maps:
             forget(maps[0].numpy())
         if not self.tiled_dq:
             return accumulator.to(q.dtype), dk, dv
-        dq, dq_rows = packed_like(q, q.dtype, torch.empty)  # every row written
-        self._launch("dq rows", self.dq_rows_grid, DQ_ROWS_THREADS, 0, (accumulator, dq_rows), (), stream,
+        dq = self.new_dq()
+        self._launch("dq rows", self.dq_rows_grid, DQ_ROWS_THREADS, 0, (accumulator, *self._views(dq)), (), stream,
                      offsets=offsets[:1])
         return dq, dk, dv
 
