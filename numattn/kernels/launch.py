@@ -238,15 +238,19 @@ def _option_values(config):
 
 @functools.lru_cache(maxsize=None)
 def _quicker_option_values():
-    """Install ``_option_values`` as numba's ``TargetConfig.values`` where it gives numba's values: for the
-    compile flags' class, with no option set and with several set (a numba-cuda whose options are kept
-    otherwise keeps its own method)."""
+    """Install ``_option_values`` as numba's ``TargetConfig.values`` once it has given numba's values for the
+    compile flags' class, with no option set and with several set; a numba-cuda that keeps its options
+    otherwise keeps its own method."""
     from numba.cuda.core.targetconfig import TargetConfig
     from numba.cuda.flags import Flags
 
     probes = [Flags(), Flags()]
     probes[1].fastmath, probes[1].forceinline, probes[1].error_model = True, True, "numpy"
-    if all(_option_values(probe) == TargetConfig.values(probe) for probe in probes):
+    try:
+        agrees = all(_option_values(probe) == TargetConfig.values(probe) for probe in probes)
+    except AttributeError:  # no ``options`` or ``_values`` where this numba-cuda keeps them
+        agrees = False
+    if agrees:
         TargetConfig.values = _option_values
 
 
