@@ -307,7 +307,7 @@ def block_cold_start(data):
     ours = [r for r in data["cold_start"] if not r["case"].startswith("torch")]
     filled = [r["warm"]["first_call_s"] for r in ours]
     imports = [r[k]["numattn_import_s"] for r in ours for k in ("cold", "warm", "off")]
-    kernels = {label: times for r in ours for label, times in r["compile_s"].items()}  # attention, decode, MLA
+    kernels = {label: times for r in ours for label, times in r["compile_s"].items()}  # every numattn case's kernels
     processes = min(map(len, kernels.values()))
     medians = {label: statistics.median(times) for label, times in kernels.items()}
     slowest = max(medians, key=medians.get)
