@@ -34,7 +34,7 @@ from ..kernels.launch import array_fields, compiled, device_limits
 from ..kernels.score_mods import NO_MODS
 from ..kernels.sequences import DENSE, SequenceLayout, padded_rows_count
 from ..kernels.tensor_maps import TensorMapCache, forget, steps_along_every_axis, tile_map
-from .plans import PLANS, array_signature
+from .plans import PLANS, array_signature, tensor_maker
 from .score_mods import NO_OPTIONS
 
 _KERNELS = {BackwardMmaConfig: backward_mma_kernel, BackwardWgmmaConfig: backward_wgmma_kernel}
@@ -244,11 +244,8 @@ class BackwardPlan:
             row_count = self.heads * q.shape[0]
         self.rows_grid = rows_grid(row_count, ROW_THREADS)
 
-        def maker(shape, dtype, zeroed=self.varlen):
-            """A new tensor of ``shape`` and ``dtype``, zeroed or not (packed sequences' buffers are zeroed: their
-            rows of no sequence stay 0), as ``torch.empty_like`` of a stride-0 view: torch's cheapest allocation."""
-            template = torch.empty(1, dtype=dtype, device=q.device).expand(shape)
-            return functools.partial(torch.zeros_like if zeroed else torch.empty_like, template)
+        def maker(shape, dtype, zeroed=self.varlen):  # packed sequences' buffers zeroed: rows of no sequence stay 0
+            return tensor_maker(torch, shape, dtype, q.device, zeroed)
 
         self.new_rows = maker(self.rows_shape, torch.float32)
         # which of q, k, v, o, do the kernels read as contiguous copies: the rows kernel reads 16-byte chunks

@@ -7,6 +7,7 @@ the kinds of arrays lives here, once for every op. Host arrays without a GPU (th
 simulator) are each op's own: they run other code than the kernels' launch.
 """
 
+import functools
 import sys
 
 import numpy as np
@@ -73,6 +74,14 @@ def array_pointer(x):
     return 0 if x is None else device_pointer(x)
 
 
+def tensor_maker(torch, shape, dtype, device, zeroed=False):
+    """``make()``: a new torch tensor of ``shape`` and ``dtype`` on ``device``, zeroed or not, made by
+    ``torch.empty_like`` (``zeros_like``) of a stride-0 view of one element: torch's cheapest allocation of a
+    shape, bound once for a plan's calls."""
+    template = torch.empty(1, dtype=dtype, device=device).expand(shape)
+    return functools.partial(torch.zeros_like if zeroed else torch.empty_like, template)
+
+
 class LaunchPlan:
     """An op's kernels prepared for one problem on one GPU, and how they run on each kind of device array.
 
@@ -91,13 +100,12 @@ class LaunchPlan:
         import torch
 
         device = self.device
-        one = torch.empty(1, dtype=getattr(torch, self.dtype), device=torch.device("cuda", device))
-        # stride-0 views of one element: torch.empty_like of these is torch's cheapest allocation of the shape
-        out_template = one.expand(self.out_shape)
-        lse_template = None if self.lse_shape is None else one.float().expand(self.lse_shape)
+        gpu = torch.device("cuda", device)
+        new_out = tensor_maker(torch, self.out_shape, getattr(torch, self.dtype), gpu)
+        new_lse = None if self.lse_shape is None else tensor_maker(torch, self.lse_shape, torch.float32, gpu)
         launch = launch or self.launch
         get_device, current_stream = torch_current()
-        single_device, empty_like = torch.cuda.device_count() == 1, torch.empty_like
+        single_device = torch.cuda.device_count() == 1
         layout = self.workspace
         workspace = None if layout is None else SplitWorkspaces.getter(torch, device, layout.counter_words, layout.words)
         part_lse_offset = 0 if layout is None else layout.part_lse_offset
@@ -107,8 +115,8 @@ class LaunchPlan:
                 with torch.cuda.device(device):
                     return run(out, *inputs)
             if out is None:
-                out = empty_like(out_template)
-            lse = None if lse_template is None else empty_like(lse_template)
+                out = new_out()
+            lse = None if new_lse is None else new_lse()
             stream = current_stream(device)
             if workspace is None:
                 launch(stream, *inputs, out.data_ptr(), 0 if lse is None else lse.data_ptr())
