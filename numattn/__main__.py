@@ -87,6 +87,14 @@ def cache(args):
     return 0
 
 
+def _count(text):
+    """A count of at least 1, for argparse."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numattn", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -112,6 +120,8 @@ def main(argv=None):
     p_bench.add_argument("--cold-start", action="store_true", help="also the first call of attention, decode, "
                          "mla_decode and the autograd function in fresh processes, with the kernel cache empty, "
                          "filled and off")
+    p_bench.add_argument("--repeats", type=_count, default=3, metavar="N", help="with --cold-start: fresh processes "
+                         "per case with the cache off, each compiling every kernel again (default 3)")
     p_bench.set_defaults(func=bench)
     p_cache = sub.add_parser("cache", help="the compiled kernels kept on disk: where, which, how large; or remove them")
     p_cache.add_argument("action", choices=("info", "clear"), help="info: list the entries; clear: remove them all")

@@ -794,7 +794,7 @@ def main(args):
                   f"({row['default_us'] / row['unchecked_us'] - 1:+.1%}) | {row['default_loop_us']:8.1f} "
                   f"{row['unchecked_loop_us']:8.1f} ({row['default_loop_us'] / row['unchecked_loop_us'] - 1:+.1%})")
     if args.cold_start:
-        results["cold_start"] = bench_cold_start()
+        results["cold_start"] = bench_cold_start(repeats=args.repeats)
         print("first call in a fresh process (s; the kernel cache empty | filled by the first process | off), "
               "import of numattn after torch and numba:")
         for row in results["cold_start"]:
