@@ -506,7 +506,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts, maps):
         # a persistent block's query tiles are those of a launch of one block per tile
         tiles = (q.shape[2] + BLOCK_M - 1) // BLOCK_M * q.shape[0] * q.shape[1] if PERSISTENT else cuda.gridDim.x
-        tile = find_tile(q, v, seqs, left, right, cuda.blockIdx.x, tiles)
+        # a persistent block's first tile as the loop's later ones (int64): one compile of find_tile, not two
+        tile = find_tile(q, v, seqs, left, right, int64(cuda.blockIdx.x) if PERSISTENT else cuda.blockIdx.x, tiles)
         b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks = tile
         if VARLEN and m0 < 0:
             return  # past the sequence's rows
