@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "benchmarks" / "results"
@@ -83,3 +85,17 @@ def test_the_cold_start_bench_gathers_each_kernels_compiles(monkeypatch):
     assert row["off"]["compiles"][0] == ("main kernel", 6.0) and len(row["off_again"]) == 2
     assert row["compile_s"] == {"main kernel": [4.0, 6.0, 7.0, 8.0], "small kernel": [0.25] * 3}
     assert row["kernels"] == 0  # the fake compiled nothing into the cache
+
+
+def test_the_cold_start_repeats_come_from_the_command_line(monkeypatch):
+    """``bench --cold-start --repeats N`` runs each case N times with the cache off; N must be at least 1."""
+    from numattn import bench
+    from numattn.__main__ import main
+
+    asked = []
+    monkeypatch.setattr(bench, "main", lambda args: asked.append((args.cold_start, args.repeats)) or 0)
+    assert main(["bench", "--only", "--cold-start", "--repeats", "5"]) == 0
+    assert main(["bench", "--only", "--cold-start"]) == 0
+    assert asked == [(True, 5), (True, 3)]
+    with pytest.raises(SystemExit, match="2"):
+        main(["bench", "--repeats", "0"])
