@@ -130,6 +130,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     # parity, and the tiles' row counts): numba would type and lower the tile copier and sw128_cell once more
     # for each literal value
     Q_VIEW_ROW = np.int64(0)
+    K_MAP, V_MAP = np.int64(1), np.int64(2)  # the K and V tensor maps in ``maps`` (Q's is 0), typed likewise
     PERSISTENT, Q_BUFFERS = config.persistent, config.query_buffers
     Q_ROWS = BLOCK_M * D // 64
     K_ROW0 = Q_BUFFERS * Q_ROWS
@@ -244,7 +245,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         stage's previous V is read."""
         mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
         mbarrier_expect_tx(bars, V_FULL + stage, V_BYTES)
-        copy_boxes(view, maps, 2, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, V_FULL + stage)
+        copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, V_FULL + stage)
         mbarrier_arrive(bars, V_FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
@@ -262,7 +263,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if SPLIT_RING:  # K into its stage once its scores are done, the previous tile's V once its P V is
                 mbarrier_wait(bars, K_EMPTY + stage, parity ^ 1)  # (at once for the parity before the first phase)
                 mbarrier_expect_tx(bars, FULL + stage, K_BYTES)
-                copy_boxes(view, maps, 1, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
                 mbarrier_arrive(bars, FULL + stage)
                 if j > 0:
                     produce_values(view, bars, maps, kv_at, h_kv, keys - BLOCK_N, last_stage, last_parity)
@@ -270,8 +271,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                 if j >= STAGES:
                     mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
                 mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
-                copy_boxes(view, maps, 1, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
-                copy_boxes(view, maps, 2, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, FULL + stage)
+                copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, FULL + stage)
                 mbarrier_arrive(bars, FULL + stage)
             last_stage, last_parity = stage, parity
             stage, parity = ring_next(stage, parity, STAGES)
