@@ -88,7 +88,8 @@ def test_the_cold_start_bench_gathers_each_kernels_compiles(monkeypatch):
 
 
 def test_the_cold_start_repeats_come_from_the_command_line(monkeypatch):
-    """``bench --cold-start --repeats N`` runs each case N times with the cache off; N must be at least 1."""
+    """``bench --repeats N`` reaches the bench as the cold start's count of processes with the cache off (3 by
+    default); N must be at least 1."""
     from numattn import bench
     from numattn.__main__ import main
 
