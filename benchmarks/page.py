@@ -37,11 +37,11 @@ SOURCES = {
     "training": "bench-h200-2026-11-28c",
     "graph": "graph-h200-2026-11-27c",
     "checked": "bench-h200-2026-11-26",
-    "cold-start": "coldstart-h100-2026-12-06b",
+    "cold-start": "coldstart-h200-2026-12-07",
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
-    "variants": "variants-h100-2026-12-06d",
-    "varlen": "varlen-h200-2026-11-28b",
+    "variants": "variants-h200-2026-12-07",
+    "varlen": "varlen-h200-2026-12-07",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -316,9 +316,12 @@ def block_cold_start(data):
     firsts = [r["cold"]["first_call_s"] for r in ours]
     steps = data["gqa_transformer_300_steps_s"]
     ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
-    lines += ["", f"`examples/gqa_transformer.py --steps 300`: {steps['cache empty']['numattn']} s with the cache empty "
-                  f"(SDPA {steps['cache empty']['sdpa']} s), {steps['cache filled']['numattn']} s with it filled "
-                  f"(SDPA {steps['cache filled']['sdpa']} s).", "",
+    example = data.get("gqa_transformer_run", {})
+    elsewhere = (f" (on an {example['gpu']}, {example['date']}, revision {example['revision']})"
+                 if example and example["gpu"] != data["run"]["gpu"] else "")
+    lines += ["", f"`examples/gqa_transformer.py --steps 300`{elsewhere}: {steps['cache empty']['numattn']} s with the "
+                  f"cache empty (SDPA {steps['cache empty']['sdpa']} s), {steps['cache filled']['numattn']} s with it "
+                  f"filled (SDPA {steps['cache filled']['sdpa']} s).", "",
               target(f"the first call with the cache filled ≤ 1 s ({min(filled) * 1e3:.0f}–{max(filled) * 1e3:.0f} ms)",
                      max(filled) <= 1),
               target(f"`import numattn` ≤ 1 s on top of torch and numba ({min(imports):.2f}–{max(imports):.2f} s)",

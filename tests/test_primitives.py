@@ -103,7 +103,7 @@ def test_kernel_ptx_has_no_local_memory_or_fp64():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
-    assert len(results) == 46
+    assert len(results) == 48
     for variant, facts in results.items():
         mnemonics = set(facts["mnemonics"])
         assert facts["f64_ops"] == 0, (variant, facts)
@@ -270,7 +270,7 @@ def test_opaque_passes_integers_on(rng, where):
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
-def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
+def test_pack_shuffle_ballot_broadcast_ex2_zero_fill(rng, where):
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numba import cuda
@@ -279,10 +279,11 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
 
     x = (rng.standard_normal((32, 2)) * 3).astype(np.float32)
     outs = [np.zeros(32, np.uint32), np.zeros(32, np.uint32), np.zeros((32, 4), np.float32),
-            np.zeros(32, np.float32), np.zeros(32, np.float32), np.ones((32, 8), np.uint16), np.zeros(32, np.uint32)]
+            np.zeros(32, np.float32), np.zeros(32, np.float32), np.ones((32, 8), np.uint16), np.zeros(32, np.uint32),
+            np.zeros(32, np.int32)]
     dev = [cuda.to_device(o) for o in [x] + outs]
     misc_kernel[1, 32, 0, 32 * 8 * 2](*dev)
-    f16, bf16, unpacked, shuffled, exp2, zero_filled, votes = (d.copy_to_host() for d in dev[1:])
+    f16, bf16, unpacked, shuffled, exp2, zero_filled, votes, broadcast = (d.copy_to_host() for d in dev[1:])
     x16 = x.astype(np.float16)
     assert np.array_equal(f16, x16[:, 0].view(np.uint16).astype(np.uint32) | x16[:, 1].view(np.uint16).astype(np.uint32) << 16)
     xb = torch.from_numpy(x).to(torch.bfloat16)
@@ -294,6 +295,7 @@ def test_pack_shuffle_ballot_ex2_zero_fill(rng, where):
     np.testing.assert_allclose(exp2, np.exp2(x[:, 0].astype(np.float64)), rtol=2e-7)
     assert np.all(zero_filled == 0)
     assert np.all(votes == sum(1 << lane for lane in range(32) if x[lane, 0] > 0))
+    assert np.all(broadcast == 3)  # lane 0's 7 · 0 + 3 in every lane
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])

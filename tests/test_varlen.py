@@ -490,28 +490,39 @@ def test_gradients_on_gpu_against_float64_and_low_precision(rng, dtype, head_dim
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("pages", ["packed", "pages smaller than a tile", "pages larger than a tile"])
-def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, pages):
+@pytest.mark.parametrize("blocks", ["a block per tile", "persistent"])
+def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, pages, blocks, monkeypatch,
+                                                                     fresh_plans):
     """The producer's tensor copies over packed sequences and over pages that split a tile into whole boxes: a
     key tile that runs past its sequence's keys (or its ``seqused_k``) is copied with zeros past them, so NaN
     keys and values of a sequence without queries, of unused pages and past each sequence's used keys leave the
     outputs finite and right
     (causal and not; an empty sequence, one of a single key, and one whose last tile takes a stage for the
-    third time: the producer's threads wait for it in turn)."""
+    third time: the producer's threads wait for it in turn). Three persistent blocks take the query tiles in turn:
+    each passes over those past their sequence's rows (a different number in each block, the same rounds of tiles
+    in all), and its ring of stages runs on through the tails."""
     if (where == "sim") != numattn.SIMULATOR:
         pytest.skip(f"runs on the {where} target")
     from numattn.configs.attention import WgmmaConfig
+    from numattn.ops import attention as attention_ops
     from numattn.ops.attention import make_plan
     from numattn.ops.varlen import validate_varlen
 
+    persistent = blocks == "persistent"
     if where == "sim":  # small tiles simulate in reasonable time
-        config, dtype, head_dim, lengths_q, lengths_k = (WgmmaConfig(block_n=16, warpgroups=1, stages=2, producer=True),
-                                                         "float16", 64, [3, 0, 19, 1], [4, 3, 90, 1])
+        config, dtype, head_dim, lengths_q, lengths_k = (
+            WgmmaConfig(block_n=16, warpgroups=2 if persistent else 1, stages=2, producer=True, persistent=persistent),
+            "float16", 64, [3, 0, 130 if persistent else 19, 1], [4, 3, 90, 1])
     else:
         torch = pytest.importorskip("torch")
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("tensor copies need sm_90")
-        config, dtype, head_dim, lengths_q, lengths_k = (WgmmaConfig(128, 2, 3, producer=True), "bfloat16", 128,
-                                                         [100, 0, 300, 1], [130, 7, 1000, 1])
+        config, dtype, head_dim, lengths_q, lengths_k = (
+            WgmmaConfig(128, 2, 2 if persistent else 3, producer=True, persistent=persistent), "bfloat16", 128,
+            [100, 0, 300, 1], [130, 7, 1000, 1])
+    if persistent:  # three blocks take the 16 (simulated) or 24 query tiles, half past their sequence's rows
+        limits = attention_ops.device_limits
+        monkeypatch.setattr(attention_ops, "device_limits", lambda device: {**limits(device), "sms": 3})
     page_size = {"pages smaller than a tile": config.block_n // 2, "pages larger than a tile": 2 * config.block_n}
     q, k, v, cu_q, cu_k = packed(rng, lengths_q, lengths_k, 2, 1, head_dim)
     if pages == "packed":

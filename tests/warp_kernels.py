@@ -9,6 +9,7 @@ from numattn.kernels.ptx import (
     SW128_ALIGN,
     aligned_start,
     ballot,
+    broadcast_i32,
     barrier_arrive,
     barrier_sync,
     bulk_commit,
@@ -132,8 +133,9 @@ def transpose_kernel(a, out, copy):
 
 
 @cuda.jit
-def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_filled, votes):
-    """Per lane: packing round trips, a butterfly shuffle, a ballot, ex2, and a zero-filling cp.async."""
+def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_filled, votes, broadcast):
+    """Per lane: packing round trips, a butterfly shuffle, a ballot, lane 0's value broadcast, ex2, and a
+    zero-filling cp.async."""
     smem = cuda.shared.array(0, uint16)
     z_s = tile_view(smem, 0, 32, 8)
     lane = cuda.threadIdx.x
@@ -145,6 +147,7 @@ def misc_kernel(x, packed_f16, packed_bf16, unpacked, shuffled, exp2, zero_fille
     unpacked[lane, 0], unpacked[lane, 1], unpacked[lane, 2], unpacked[lane, 3] = f_lo, f_hi, b_lo, b_hi
     shuffled[lane] = shfl_xor_f32(lo, 5)
     votes[lane] = ballot(lo > 0)
+    broadcast[lane] = broadcast_i32(int32(7 * lane + 3))
     exp2[lane] = ex2_approx(lo)
     z_s[lane, 0] = 7
     cp_async_16(z_s, lane, 0, x, (0, 0), 0)

@@ -27,7 +27,8 @@ grid's tiles, forwards and backwards in turn): its producer copies the next tile
 the current one is computed, the ring of K/V stages and the warpgroups' turns run on from tile to tile, and K
 and V take rings of their own, so that a stage's next K is copied as soon as its scores are done. Where query
 tiles see few keys this hides most of a block's start and end (its first copies, its first and last products,
-its output), which a block per tile pays in full.
+its output), which a block per tile pays in full. In a packed batch the blocks count the query tiles from the
+longest sequence, as the grid of a block per tile would, and pass over those past their sequence's rows.
 
 Head dims must be multiples of 64 (whole swizzle panels), inputs 16-bit with
 contiguous, 16-byte aligned rows.
@@ -36,7 +37,7 @@ contiguous, 16-byte aligned rows.
 import functools
 
 import numpy as np
-from numba import float32, int64, uint16, uint32
+from numba import float32, int32, int64, uint16, uint32
 
 from .._cuda import SIMULATOR, cuda
 from .constants import LOG2E_F32
@@ -72,7 +73,7 @@ from .ptx import (
     wgmma_wait,
 )
 from .score_mods import NO_MODS, crosses_window, window_span
-from .sequences import DENSE, block_locator, forward_kernel, source_row
+from .sequences import DENSE, block_locator, forward_kernel, sequence_span, source_row
 from .split_merge import split_finisher, split_run
 from .tensor_maps import key_box_rows
 from .tiles import ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
@@ -164,8 +165,8 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     if K_T and (BLOCK_N % 64 or VARLEN):
         raise ValueError(f"K read transposed takes dense sequences and key tiles in multiples of 64, got {config}")
     TENSOR_COPIES = tensor_copies
-    if PERSISTENT and (not TENSOR_COPIES or VARLEN):
-        raise ValueError(f"a persistent block takes dense sequences copied by tensor copies, got {config}, {sequences}, "
+    if PERSISTENT and not TENSOR_COPIES:
+        raise ValueError(f"a persistent block takes tiles copied by tensor copies, got {config}, {sequences}, "
                          f"tensor_copies={tensor_copies}")
     KV_BOX_ROWS = key_box_rows(sequences, BLOCK_N)  # rows of K and V per tensor copy: a tile's or a page's
     if TENSOR_COPIES and (not PRODUCER or not KV_BOX_ROWS or SPLIT or K_T):
@@ -281,29 +282,40 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         return stage, parity
 
     @cuda.jit(device=True, forceinline=True)
+    def produce_tail(view, bars, k, v, kv_at, h_kv, j, stage, parity, first, nkeys):
+        """A packed sequence's last K/V tile ``j`` (keys from ``first + j · BLOCK_N``), which runs past its keys
+        ``nkeys``: copied into ``stage`` (its use of parity ``parity``) by every producer thread with ``cp.async``,
+        whose rows from ``nkeys`` on read 0, once the stage's previous tile is read; the first thread then counts
+        it in."""
+        leader = cuda.threadIdx.x == CONSUMERS
+        if leader:
+            # the leader saw each earlier use of the stage end in turn; a parity names one of only two phases,
+            # so a thread that did not could take an older phase's completion for this one
+            if SPLIT_RING:
+                mbarrier_wait(bars, K_EMPTY + stage, parity ^ 1)
+            mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # (at once for the parity before the first phase)
+        barrier_sync(TAIL_COPIED, 128)  # the stage is free for every producer thread
+        copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys)
+        cp_async_commit()
+        cp_async_wait_group(0)
+        barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival
+        if leader:
+            mbarrier_arrive(bars, FULL + stage)
+            if SPLIT_RING:
+                mbarrier_arrive(bars, V_FULL + stage)
+
+    @cuda.jit(device=True, forceinline=True)
     def produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks):
         """``produce`` with tensor copies by the producer's first thread: the Q tile's panels, then each K/V tile's
         into its stage, the bytes announced to the stage's FULL barrier before its copies; a packed sequence's
         last tile, when it runs past ``nkeys``, by every producer thread's ``cp.async`` copies."""
-        leader = cuda.threadIdx.x == CONSUMERS
         tail = VARLEN and first + n_blocks * BLOCK_N > nkeys
-        if leader:
+        if cuda.threadIdx.x == CONSUMERS:
             produce_boxes(view, bars, maps, Q_VIEW_ROW, q_at, h, q_start, kv_at, h_kv, first,
                           n_blocks - 1 if tail else n_blocks, int64(0), int64(0))
         if tail:
             j = n_blocks - 1
-            stage = j % STAGES
-            if leader and j >= STAGES:
-                # the leader saw each earlier use of the stage end in turn; a parity names one of only two phases,
-                # so a thread that did not could take an older phase's completion for this one
-                mbarrier_wait(bars, EMPTY + stage, ((j // STAGES) % 2) ^ 1)
-            barrier_sync(TAIL_COPIED, 128)  # the stage is free for every producer thread
-            copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys)
-            cp_async_commit()
-            cp_async_wait_group(0)
-            barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival
-            if leader:
-                mbarrier_arrive(bars, FULL + stage)
+            produce_tail(view, bars, k, v, kv_at, h_kv, j, j % STAGES, (j // STAGES) % 2, first, nkeys)
 
     @cuda.jit(device=True, forceinline=True)
     def find_tile(q, v, seqs, left, right, block, blocks):
@@ -322,30 +334,62 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         return b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks
 
     @cuda.jit(device=True, forceinline=True)
-    def tile_of_round(round_start, backwards):
-        """A persistent block's query tile in the round of the grid's tiles from ``round_start``: the rounds run
-        forwards and backwards in turn (``backwards``: 0 or 1, alternating), so that a block that takes one of a
-        round's longest causal tiles (the first) takes one of the next round's shortest."""
-        return round_start + (cuda.gridDim.x - 1 - cuda.blockIdx.x if backwards else cuda.blockIdx.x)
+    def tile_of_round(round_index):
+        """A persistent block's query tile in round ``round_index`` of the grid's tiles (a round: a tile per
+        block): the rounds run forwards and backwards in turn, so that a block that takes one of a round's
+        longest causal tiles (the first) takes one of the next round's shortest. The round decides, the same in
+        every block (the blocks of a packed batch pass over different numbers of tiles)."""
+        forwards = round_index % 2 == 0
+        return round_index * cuda.gridDim.x + (cuda.blockIdx.x if forwards else cuda.gridDim.x - 1 - cuda.blockIdx.x)
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_tiles(view, bars, maps, q, v, seqs, left, right, tiles):
-        """A persistent block's producer, its first thread: each of the block's query tiles' Q into the next Q
-        buffer once the output tile staged there two tiles before is written out, then its K/V tiles into the
-        ring as ``produce_boxes`` copies them."""
-        if cuda.threadIdx.x != CONSUMERS:
+    def produce_tiles(view, bars, maps, q, k, v, seqs, left, right, tiles):
+        """A persistent block's producer: for each of the block's query tiles its first thread copies the Q tile
+        into the next Q buffer once the output tile staged there two tiles before is written out, then the K/V
+        tiles into the ring as ``produce_boxes`` does; a packed sequence's last K/V tile, when it runs past the
+        sequence's keys, the whole warpgroup copies (``produce_tail``), so in a packed batch every producer
+        thread follows the ring."""
+        leader = cuda.threadIdx.x == CONSUMERS
+        if not (leader or VARLEN):
             return
         stage, parity, q_buffer, q_parity = int64(0), int64(0), int64(0), int64(0)
-        for round_start in range(0, tiles, cuda.gridDim.x):
-            block = tile_of_round(round_start, q_buffer)  # (a round's Q buffer alternates)
+        for round_index in range((tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
+            block = tile_of_round(round_index)
             if block >= tiles:
                 break
-            _, h, h_kv, m0, _, _, q_at, q_row0, kv_at, k_row0, first, n_blocks = find_tile(q, v, seqs, left, right,
-                                                                                            block, tiles)
-            mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
-            stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
-                                          n_blocks, stage, parity)
+            _, h, h_kv, m0, _, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks = find_tile(q, v, seqs, left,
+                                                                                                    right, block, tiles)
+            if VARLEN and m0 < 0:
+                continue  # past its sequence's rows: the computing threads pass over it too
+            tail = VARLEN and first + n_blocks * BLOCK_N > seqlen_kv
+            boxed = n_blocks - 1 if tail else n_blocks
+            if leader:
+                mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
+                stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv,
+                                              k_row0 + first, boxed, stage, parity)
+            else:
+                for _ in range(boxed):
+                    stage, parity = ring_next(stage, parity, STAGES)
+            if tail:
+                produce_tail(view, bars, k, v, kv_at, h_kv, n_blocks - 1, stage, parity, k_row0 + first,
+                             k_row0 + seqlen_kv)
+                stage, parity = ring_next(stage, parity, STAGES)
             q_buffer, q_parity = ring_next(q_buffer, q_parity, Q_BUFFERS)
+
+    @cuda.jit(device=True, forceinline=True)
+    def count_packed_tiles(q, seqs):
+        """A persistent block's query tiles in a packed batch: those of a launch of a block per tile, ``cdiv(the
+        longest sequence's rows, BLOCK_M)`` per sequence and query head (every thread of the block calls it)."""
+        longest = cuda.shared.array(1, int32)
+        if cuda.threadIdx.x == 0:
+            longest[0] = 0
+        cuda.syncthreads()
+        cu_q = seqs[0]
+        batch = cu_q.shape[0] - 1
+        for b in range(cuda.threadIdx.x, batch, NUM_THREADS):
+            cuda.atomic.max(longest, 0, sequence_span(cu_q, b, q.shape[2])[1])
+        cuda.syncthreads()
+        return (longest[0] + BLOCK_M - 1) // BLOCK_M * batch * q.shape[1]
 
     @cuda.jit(device=True, forceinline=True)
     def release_stage(bars, acc, j, last_stage):
@@ -505,12 +549,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
 
     @cuda.jit(device=True, forceinline=True)
     def attend(q, k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, seqs, parts, maps):
-        # a persistent block's query tiles are those of a launch of one block per tile
-        tiles = (q.shape[2] + BLOCK_M - 1) // BLOCK_M * q.shape[0] * q.shape[1] if PERSISTENT else cuda.gridDim.x
+        if PERSISTENT and not VARLEN:  # a persistent block's query tiles are those of a launch of a block per tile
+            tiles = (q.shape[2] + BLOCK_M - 1) // BLOCK_M * q.shape[0] * q.shape[1]
+        else:  # a block per tile (a persistent block of a packed batch counts its tiles below)
+            tiles = cuda.gridDim.x
         # a persistent block's first tile as the loop's later ones (int64): one compile of find_tile, not two
         tile = find_tile(q, v, seqs, left, right, int64(cuda.blockIdx.x) if PERSISTENT else cuda.blockIdx.x, tiles)
         b, h, h_kv, m0, seqlen_q, seqlen_kv, q_at, q_row0, kv_at, k_row0, first, n_blocks = tile
-        if VARLEN and m0 < 0:
+        if VARLEN and not PERSISTENT and m0 < 0:
             return  # past the sequence's rows
         smem = cuda.shared.array(0, uint16)
         bars = cuda.shared.array(BARRIERS, int64)
@@ -531,10 +577,12 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                     mbarrier_init(bars, V_FULL + stage, ARRIVALS)
                     mbarrier_init(bars, K_EMPTY + stage, CONSUMERS)
         cuda.syncthreads()
+        if PERSISTENT and VARLEN:
+            tiles = count_packed_tiles(q, seqs)
         if PRODUCER and group == GROUPS:
             shrink_registers(PRODUCER_REGISTERS)
             if PERSISTENT:
-                produce_tiles(view, bars, maps, q, v, seqs, left, right, tiles)
+                produce_tiles(view, bars, maps, q, k, v, seqs, left, right, tiles)
             elif TENSOR_COPIES:
                 if n_blocks > 0:
                     produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_row0 + m0, kv_at, h_kv, k_row0 + first,
@@ -553,13 +601,15 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if GROUPS > 1 and group == GROUPS - 1:
                 barrier_arrive(TURN, 256)  # the first warpgroup goes first; each tile's last turn hands on the next's
             q_buffer, q_parity = int64(0), int64(0)
-            for round_start in range(0, tiles, cuda.gridDim.x):
-                block = tile_of_round(round_start, q_buffer)  # (a round's Q buffer alternates)
+            for round_index in range((tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
+                block = tile_of_round(round_index)
                 if block >= tiles:
                     break
+                tile = find_tile(q, v, seqs, left, right, block, tiles)
+                if VARLEN and tile[3] < 0:
+                    continue  # past its sequence's rows (m0 < 0), as for the producer
                 ring = attend_tile(k, v, o, lse, scale_log2, alibi, sinks, left, right, cap_log2, cap_slope, parts,
-                                   view, bars, q_desc, k_desc, v_desc, find_tile(q, v, seqs, left, right, block, tiles),
-                                   q_buffer, q_parity, ring)
+                                   view, bars, q_desc, k_desc, v_desc, tile, q_buffer, q_parity, ring)
                 q_buffer, q_parity = ring_next(q_buffer, q_parity, Q_BUFFERS)
             return
         if n_blocks > 0:

@@ -33,7 +33,7 @@ import numpy as np
 from numba import int32, uint32
 
 from .._cuda import cuda
-from .ptx import load_readonly_i32
+from .ptx import broadcast_i32, load_readonly_i32
 from .tiles import key_block, key_tile, query_tile, query_tiles, row_of_batch
 
 ROWS_ALIGNMENT = 128  # the start of a sequence's rows of a varlen backward's lse2 and delta; at least any block_m
@@ -135,6 +135,9 @@ def block_locator(layout):
         else:
             q_at, kv_at, q_row0, k_row0 = b, b, 0, 0
             seqlen_q, seqlen_kv = q.shape[2], v.shape[2]
+        if VARLEN:  # loaded alike by every lane, which ptxas cannot know: lane 0's values tell it (``broadcast_i32``)
+            q_row0, seqlen_q = broadcast_i32(int32(q_row0)), broadcast_i32(int32(seqlen_q))
+            k_row0, seqlen_kv = broadcast_i32(int32(k_row0)), broadcast_i32(int32(seqlen_kv))
         m0 = ((seqlen_q + block_m - 1) // block_m - 1 - tiles_from_end) * block_m
         n_end = seqlen_kv
         if causal:

@@ -34,6 +34,7 @@ from ..configs.attention import (
     fitting_kernels,
     grid_in_sections,
     misfit,
+    problem_box_rows,
     problem_shared_bytes,
     split_options,
     splits_keys,
@@ -45,9 +46,9 @@ from ..kernels.attention_simt import simt_attention_kernel
 from ..kernels.attention_wgmma import wgmma_attention_kernel
 from ..kernels.constants import LOG2E
 from ..kernels.launch import array_fields, compiled, device_limits
-from ..kernels.sequences import DENSE, DENSE_IN_SECTIONS
+from ..kernels.sequences import DENSE_IN_SECTIONS
 from ..kernels.split_merge import MAX_SPLITS, cluster_stage_bytes
-from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, key_box_rows, steps_along_every_axis, tile_map
+from ..kernels.tensor_maps import MAP_WORDS, TensorMapCache, forget, steps_along_every_axis, tile_map
 from ..tuning.models import attention_seconds
 from ..tuning.store import tuned_config
 from .checks import host_values
@@ -304,7 +305,7 @@ class _Kernel(NamedTuple):
 def map_rows(p, config):
     """Rows of the boxes of the tensor maps of Q, K and V: a query tile's, a key tile's or (pages smaller than a
     tile) a page's."""
-    key_rows = key_box_rows(DENSE if p.sequences is None else p.sequences.layout, config.block_n)
+    key_rows = problem_box_rows(p, config.block_n)
     return config.block_m, key_rows, key_rows
 
 

@@ -78,6 +78,7 @@ from .mma import (  # noqa: F401
 from .tma import PANEL_COLUMNS, tma_load_box  # noqa: F401
 from .warp import (  # noqa: F401
     ballot,
+    broadcast_i32,
     ex2_approx,
     rcp_approx,
     shfl_xor_f32,

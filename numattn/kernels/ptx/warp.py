@@ -44,6 +44,19 @@ _bind(
 )
 
 
+def broadcast_i32(x):
+    """``broadcast_i32(x) -> int32``: lane 0's ``x`` in every lane, all 32 lanes taking part: a value ptxas then
+    knows to be the same across the warp (one loaded from memory it cannot know so of), so that branches on it
+    do not make a warpgroup's ``wgmma`` wait for each other (its C7519 warning).
+
+    Emits ``shfl.sync.idx.b32`` from lane 0 with a full member mask.
+    """
+    return np.int32(_warp_gather(np.int32(x))[0])
+
+
+_bind(broadcast_i32, _asm_intrinsic("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", _i32, types.int32(types.int32)))
+
+
 def syncwarp():
     """``syncwarp()``: barrier among the 32 lanes of the warp, ordering their shared-memory accesses.
 
