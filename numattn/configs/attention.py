@@ -384,9 +384,9 @@ def default_choice(p, limits):
     there are more query tiles than SMs, a persistent block per SM takes the query tiles in turn
     (``WgmmaConfig.persistent``; with fewer tiles each block would take one, with a stage less: B2 H8 L1000
     causal took 1.07 of the time). Packed sequences keep a block per tile: on an H100, B8 L2048 Hq32 Hkv8 D128
-    bf16 causal packed took 0.680 ms in persistent blocks against the padded batch's 0.544 (its tiles not
-    walked in sections of heads whose keys fit the L2 cache); a persistent configuration runs them when asked
-    for (``tune`` tries it)."""
+    bf16 causal packed took 0.680 ms in persistent blocks against the padded batch's 0.544 (whose grid walks
+    its heads in sections whose keys fit the L2 cache, the likely difference; not measured apart); a persistent
+    configuration runs them when asked for (``tune`` tries it)."""
     config = default_config(p, limits)
     if (isinstance(config, WgmmaConfig) and max(p.head_dim, p.head_dim_v) <= 128 and not p.options.mods.window
             and p.seqlen_kv >= 4 * p.seqlen_q and misfit(p, SPLITTING, limits) is None):

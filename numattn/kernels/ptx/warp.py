@@ -47,7 +47,7 @@ _bind(
 def broadcast_i32(x):
     """``broadcast_i32(x) -> int32``: lane 0's ``x`` in every lane, all 32 lanes taking part: a value ptxas then
     knows to be the same across the warp (one loaded from memory it cannot know so of), so that branches on it
-    do not make a warpgroup's ``wgmma`` wait for each other (its C7519 warning).
+    do not make a warpgroup's ``wgmma`` wait for each other (CUDA 13.5's warning C7519).
 
     Emits ``shfl.sync.idx.b32`` from lane 0 with a full member mask.
     """
