@@ -317,8 +317,9 @@ def block_cold_start(data):
     steps = data["gqa_transformer_300_steps_s"]
     ratio = steps["cache filled"]["numattn"] / steps["cache filled"]["sdpa"]
     example = data.get("gqa_transformer_run", {})
+    run = data["run"]
     elsewhere = (f" (on an {example['gpu']}, {example['date']}, revision {example['revision']})"
-                 if example and example["gpu"] != data["run"]["gpu"] else "")
+                 if example and (example["gpu"], example["revision"]) != (run["gpu"], run["revision"]) else "")
     lines += ["", f"`examples/gqa_transformer.py --steps 300`{elsewhere}: {steps['cache empty']['numattn']} s with the "
                   f"cache empty (SDPA {steps['cache empty']['sdpa']} s), {steps['cache filled']['numattn']} s with it "
                   f"filled (SDPA {steps['cache filled']['sdpa']} s).", "",

@@ -520,7 +520,7 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where,
         config, dtype, head_dim, lengths_q, lengths_k = (
             WgmmaConfig(128, 2, 2 if persistent else 3, producer=True, persistent=persistent), "bfloat16", 128,
             [100, 0, 300, 1], [130, 7, 1000, 1])
-    if persistent:  # three blocks take the 16 (simulated) or 24 query tiles, half past their sequence's rows
+    if persistent:  # three blocks take the 16 (simulated) or 24 query tiles, 8 or 14 past their sequence's rows
         limits = attention_ops.device_limits
         monkeypatch.setattr(attention_ops, "device_limits", lambda device: {**limits(device), "sms": 3})
     page_size = {"pages smaller than a tile": config.block_n // 2, "pages larger than a tile": 2 * config.block_n}
