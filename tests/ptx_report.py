@@ -148,7 +148,7 @@ def variants():
                                     sequences=paged, tensor_copies=True)
     yield ("wgmma-bfloat16-causal1-d128-paged-tensor-copies", kernel,
            SIGNATURE[types.uint16] + SEQUENCE_SIGNATURE + (types.Array(types.uint64, 2, "A"),))
-    # persistent blocks over packed sequences and over pages: the producer warpgroup follows the ring for the tails
+    # persistent blocks over packed sequences and over pages: the producer's first warp follows the ring for the tails
     for name, layout in (("varlen", packed), ("paged", paged)):
         kernel = wgmma_attention_kernel(WgmmaConfig(128, 2, 2, producer=True, persistent=True), "bfloat16", 128, 128,
                                         True, True, True, sequences=layout, tensor_copies=True)

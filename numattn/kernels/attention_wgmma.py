@@ -103,9 +103,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     lies): the producer's first thread copies the Q tile and the K/V tiles by tensor copies (TMA), a 64-column
     panel per copy, from the tensor maps ``maps`` (``[3, 16]`` words: Q's for boxes of ``block_m`` rows, K's and
     V's of ``key_box_rows``: a tile's, or with smaller pages a page's), the kernel's last argument. A packed
-    sequence's last K/V tile, when it runs past the sequence's keys, is copied by the whole producer warpgroup
-    with ``cp.async``, whose rows past the end read 0: a box would read the next sequence's rows, and a value
-    there that is not finite would turn this sequence's ``0 · V`` into NaN.
+    sequence's last K/V tile, when it runs past the sequence's keys, is copied by the producer warpgroup (in a
+    persistent block its first warp) with ``cp.async``, whose rows past the end read 0: a box would read the next
+    sequence's rows, and a value there that is not finite would turn this sequence's ``0 · V`` into NaN.
 
     16-bit arrays only (``uint16`` bit patterns). Launch with
     ``cdiv(Sq, block_m) · B · Hq`` blocks (a persistent configuration: at most as many, a block per SM) of
@@ -155,6 +155,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     STAGED = DV <= D  # the output tile goes out through the warpgroup's Q rows in shared memory
     STAGED_BARRIER = TURN + GROUPS  # named barriers STAGED_BARRIER + w: warpgroup w's output tile is staged
     TAIL_COPIED = STAGED_BARRIER + GROUPS  # named barrier: the producer's copies of a packed sequence's last tile landed
+    # the threads that copy K/V tiles by cp.async; a persistent block copies so only a packed sequence's last tile,
+    # by the producer's first warp alone (the others leave at once, as in a dense batch: every instruction of a
+    # producer warp that follows the tiles takes an issue slot from the computing warps of its scheduler)
+    KV_COPIERS = 32 if PERSISTENT else COPIERS
     OUT_CHUNKS = DV // 8  # 16-byte chunks per output row
     ALIGNED_OUT = aligned_out
     CAUSAL, WRITE_LSE = causal, write_lse
@@ -187,7 +191,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     # this thread's copies of src[b, h, row0 + r, :ncols] into row r of a swizzled tile; rows past nrows read 0
     load_tile_async = tile_copier(COPIERS, sw128_cell, stepping=True, first_thread=FIRST_COPIER)
     kv_source = source_row(sequences)
-    load_kv_tile_async = tile_copier(COPIERS, sw128_cell, kv_source, stepping=True, first_thread=FIRST_COPIER)
+    load_kv_tile_async = tile_copier(KV_COPIERS, sw128_cell, kv_source, stepping=True, first_thread=FIRST_COPIER)
     load_partial_kt_tile_async = transposed_key_copier(COPIERS, sw128_cell, D, BLOCK_N, first_thread=FIRST_COPIER)
 
     @cuda.jit(device=True, forceinline=True)
@@ -284,9 +288,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     @cuda.jit(device=True, forceinline=True)
     def produce_tail(view, bars, k, v, kv_at, h_kv, j, stage, parity, first, nkeys):
         """A packed sequence's last K/V tile ``j`` (keys from ``first + j · BLOCK_N``), which runs past its keys
-        ``nkeys``: copied into ``stage`` (its use of parity ``parity``) by every producer thread with ``cp.async``,
-        whose rows from ``nkeys`` on read 0, once the stage's previous tile is read; the first thread then counts
-        it in."""
+        ``nkeys``: copied into ``stage`` (its use of parity ``parity``) by the ``KV_COPIERS`` producer threads with
+        ``cp.async``, whose rows from ``nkeys`` on read 0, once the stage's previous tile is read; the first thread
+        then counts it in."""
         leader = cuda.threadIdx.x == CONSUMERS
         if leader:
             # the leader saw each earlier use of the stage end in turn; a parity names one of only two phases,
@@ -294,11 +298,11 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if SPLIT_RING:
                 mbarrier_wait(bars, K_EMPTY + stage, parity ^ 1)
             mbarrier_wait(bars, EMPTY + stage, parity ^ 1)  # (at once for the parity before the first phase)
-        barrier_sync(TAIL_COPIED, 128)  # the stage is free for every producer thread
+        barrier_sync(TAIL_COPIED, KV_COPIERS)  # the stage is free for every copying thread
         copy_kv_async(view, k, v, kv_at, h_kv, j, stage, first, nkeys)
         cp_async_commit()
         cp_async_wait_group(0)
-        barrier_sync(TAIL_COPIED, 128)  # every producer thread's copies have landed before the one arrival
+        barrier_sync(TAIL_COPIED, KV_COPIERS)  # every copying thread's copies have landed before the one arrival
         if leader:
             mbarrier_arrive(bars, FULL + stage)
             if SPLIT_RING:
@@ -347,10 +351,10 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         """A persistent block's producer: for each of the block's query tiles its first thread copies the Q tile
         into the next Q buffer once the output tile staged there two tiles before is written out, then the K/V
         tiles into the ring as ``produce_boxes`` does; a packed sequence's last K/V tile, when it runs past the
-        sequence's keys, the whole warpgroup copies (``produce_tail``), so in a packed batch every producer
-        thread follows the ring."""
+        sequence's keys, the first warp copies (``produce_tail``), so in a packed batch its every thread follows
+        the ring."""
         leader = cuda.threadIdx.x == CONSUMERS
-        if not (leader or VARLEN):
+        if not (leader or VARLEN and cuda.threadIdx.x < CONSUMERS + KV_COPIERS):
             return
         stage, parity, q_buffer, q_parity = int64(0), int64(0), int64(0), int64(0)
         for round_index in range((tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
