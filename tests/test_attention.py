@@ -247,9 +247,9 @@ def test_wgmma_producer_where_it_fits():
 def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
     """On an H100 the default takes a persistent block (``WgmmaConfig.persistent``) where every query tile visits
     at most ``PERSISTENT_KEYS`` keys (a window, short sequences), the keys are dense and read by tensor copies and
-    the query tiles outnumber the SMs, and a block per query tile elsewhere; packed sequences may take persistent
-    blocks when asked for, keys in pages that do not split a tile into whole boxes may not: a persistent
-    configuration asked for where it cannot run is refused, naming why."""
+    the query tiles outnumber the SMs, and a block per query tile elsewhere; packed sequences take persistent
+    blocks where all have the longest one's queries, and when asked for; keys in pages that do not split a tile
+    into whole boxes may not: a persistent configuration asked for where it cannot run is refused, naming why."""
     from numattn.configs import attention as configs
     from numattn.ops.attention import make_plan, validate
     from numattn.ops.varlen import validate_varlen
@@ -274,8 +274,11 @@ def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
     q = np.zeros((4096, 8, 128), np.float16)  # four packed sequences of 1024 rows: 256 query tiles
     cu = np.arange(0, 4097, 1024, dtype=np.int32)
     packed = validate_varlen(q, q, q, cu, cu, 1024, 1024, None, True, None, False)
-    assert configs.default_choice(packed, h100) == plain  # a block per tile by default
-    assert configs.misfit(packed, persistent, h100) is None  # persistent blocks when asked for
+    assert configs.default_choice(packed, h100) == (persistent, 1)  # every sequence at the longest
+    uneven = np.array([0, 1024, 1500, 2048, 3000], np.int32)  # as many query tiles, some past their sequence's rows
+    packed_uneven = validate_varlen(q[:3000], q, q, uneven, cu, 1024, 1024, None, True, None, False)
+    assert configs.default_choice(packed_uneven, h100) == plain  # a block per tile by default
+    assert configs.misfit(packed_uneven, persistent, h100) is None  # persistent blocks when asked for
     pages = np.zeros((200, 24, 8, 128), np.float16)  # pages of 24 keys do not split a key tile into whole boxes
     table = np.arange(200, dtype=np.int32).reshape(4, 50)
     paged = validate_varlen(q, pages, pages, cu, None, 1024, 1024, None, True, None, False, page_table=table,

@@ -380,13 +380,14 @@ def default_choice(p, limits):
     their longest (``max_seqlen_q``, ``max_seqlen_k``): on an H100 four of 256 queries over 16384 keys (H8
     D128 bf16 causal) took 159 µs in 2 runs per query tile against 236 in one (the padded batch 158), one of
     128 over 32768 98 µs in 16 runs against 458. Otherwise, where every query tile of the default's wgmma kernel
-    with a producer visits at most ``PERSISTENT_KEYS`` keys, the keys are dense and copied by tensor copies and
-    there are more query tiles than SMs, a persistent block per SM takes the query tiles in turn
+    with a producer visits at most ``PERSISTENT_KEYS`` keys, the keys are copied by tensor copies and there are
+    more query tiles than SMs, a persistent block per SM takes the query tiles in turn
     (``WgmmaConfig.persistent``; with fewer tiles each block would take one, with a stage less: B2 H8 L1000
-    causal took 1.07 of the time). Packed sequences keep a block per tile: on an H100, B8 L2048 Hq32 Hkv8 D128
-    bf16 causal packed took 0.680 ms in persistent blocks against the padded batch's 0.544 (whose grid walks
-    its heads in sections whose keys fit the L2 cache, the likely difference; not measured apart); a persistent
-    configuration runs them when asked for (``tune`` tries it)."""
+    causal took 1.07 of the time). Packed sequences take persistent blocks only where every sequence has
+    ``max_seqlen_q`` queries (``Sequences.equal_query_lengths``): on an H100, B8 L2048 Hq32 Hkv8 D128 bf16 causal,
+    one process, a block per tile took 0.622 ms padded and 0.633 packed, persistent blocks 0.583 padded and
+    0.619 packed; over 16 uneven sequences persistent blocks were 11% slower than a block per tile (measured
+    with all four producer warps following the tiles; they pass over the tiles past each sequence's rows)."""
     config = default_config(p, limits)
     if (isinstance(config, WgmmaConfig) and max(p.head_dim, p.head_dim_v) <= 128 and not p.options.mods.window
             and p.seqlen_kv >= 4 * p.seqlen_q and misfit(p, SPLITTING, limits) is None):
@@ -397,7 +398,7 @@ def default_choice(p, limits):
             return SPLITTING, max(fitting)
     tiles = p.batch * p.heads_q * -(-p.seqlen_q // config.block_m)
     if (isinstance(config, WgmmaConfig) and config.producer and visited_keys(p, config) <= PERSISTENT_KEYS
-            and tiles > limits["sms"] and p.sequences is None):
+            and tiles > limits["sms"] and (p.sequences is None or p.sequences.equal_query_lengths)):
         persistent = replace(config, stages=2, persistent=True)
         if misfit(p, persistent, limits) is None:
             return persistent, 1

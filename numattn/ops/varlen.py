@@ -58,6 +58,12 @@ class Sequences:
         return SequenceLayout(True, self.page_size, self.seqused_k is not None)
 
     @property
+    def equal_query_lengths(self):
+        """Whether every sequence has ``max_seqlen_q`` queries (``total_q`` reaches ``batch · max_seqlen_q`` in
+        no other way once no sequence is longer): no query tile of the grid lies past its sequence's rows."""
+        return self.total_q == (self.cu_seqlens_q.shape[0] - 1) * self.max_seqlen_q
+
+    @property
     def operands(self):
         return (self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_k, self.page_table)
 
