@@ -246,7 +246,7 @@ def test_wgmma_producer_where_it_fits():
 
 def test_persistent_blocks_where_query_tiles_see_few_keys(monkeypatch):
     """On an H100 the default takes a persistent block (``WgmmaConfig.persistent``) where every query tile visits
-    at most ``PERSISTENT_KEYS`` keys (a window, short sequences), the keys are dense and read by tensor copies and
+    at most ``PERSISTENT_KEYS`` keys (a window, short sequences), the keys are read by tensor copies and
     the query tiles outnumber the SMs, and a block per query tile elsewhere; packed sequences take persistent
     blocks where all have the longest one's queries, and when asked for; keys in pages that do not split a tile
     into whole boxes may not: a persistent configuration asked for where it cannot run is refused, naming why."""
