@@ -551,6 +551,42 @@ def test_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where,
 
 
 @pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_persistent_blocks_of_equal_packed_sequences_with_options(rng, where, monkeypatch, fresh_plans):
+    """Packed sequences of equal lengths, which the default gives persistent blocks on sm_90 (on the GPU the
+    default's plan, in the simulator the same kind of configuration with small tiles): three blocks take the
+    query tiles in turn with a window and sinks, and with ALiBi slopes per sequence (options whose default kernel
+    has a producer; with a softcap it has none), against the float64 reference."""
+    if (where == "sim") != numattn.SIMULATOR:
+        pytest.skip(f"runs on the {where} target")
+    from numattn.configs.attention import WgmmaConfig
+    from numattn.ops import attention as attention_ops
+    from numattn.ops.attention import make_plan
+    from numattn.ops.varlen import validate_varlen
+
+    if where == "sim":  # small tiles simulate in reasonable time
+        config, dtype, head_dim, length, heads = (
+            WgmmaConfig(block_n=16, warpgroups=2, stages=2, producer=True, persistent=True), "float16", 64, 40, 2)
+    else:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("persistent blocks need sm_90")
+        config, dtype, head_dim, length, heads = None, "bfloat16", 128, 300, 4
+    limits = attention_ops.device_limits  # three blocks take the 6 (simulated) or 36 query tiles
+    monkeypatch.setattr(attention_ops, "device_limits", lambda device: {**limits(device), "sms": 3})
+    batch = 3
+    q, k, v, cu, _ = packed(rng, [length] * batch, [length] * batch, heads, heads // 2, head_dim)
+    q, k, v = as_dtype([q, k, v], dtype)
+    for options in (dict(causal=True, window=(7, 0), sinks=True), dict(causal=True, alibi=True)):
+        options = resolved(rng, options, batch, heads)
+        problem = validate_varlen(q, k, v, cu, cu, length, length, None, True, None, True, options.get("window"),
+                                  options.get("softcap"), options.get("alibi_slopes"), options.get("sinks"))
+        plan = make_plan(problem, config)
+        assert plan.config.persistent, plan.config
+        o, lse = plan(q, k, v, None, options.get("alibi_slopes"), options.get("sinks"), cu, cu, None, None)
+        check(o, lse, ATOL[dtype], q, k, v, cu, cu, **options)
+
+
+@pytest.mark.parametrize("where", [pytest.param("sim", marks=pytest.mark.sim), pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_backward_tensor_copies_of_packed_sequences_stop_at_each_sequence_end(rng, where, monkeypatch,
                                                                                   fresh_plans):
     """The wgmma backward's tensor copies over packed sequences: a query tile that runs past its sequence's rows
