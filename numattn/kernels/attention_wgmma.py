@@ -245,44 +245,52 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                              bars, barrier)
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_values(view, bars, maps, kv_at, h_kv, keys, stage, parity):
+    def produce_values(view, bars, maps, kv_at, h_kv, keys, stage, parity, issuing):
         """With split rings: the V tile of keys from ``keys`` into ``stage`` (its use of parity ``parity``) once the
-        stage's previous V is read."""
+        stage's previous V is read; the thread waits, and copies if ``issuing``."""
         mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
-        mbarrier_expect_tx(bars, V_FULL + stage, V_BYTES)
-        copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, V_FULL + stage)
-        mbarrier_arrive(bars, V_FULL + stage)
+        if issuing:
+            mbarrier_expect_tx(bars, V_FULL + stage, V_BYTES)
+            copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, V_FULL + stage)
+            mbarrier_arrive(bars, V_FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_boxes(view, bars, maps, q_buffer, q_at, h, q_start, kv_at, h_kv, first, n_blocks, stage, parity):
+    def produce_boxes(view, bars, maps, q_buffer, q_at, h, q_start, kv_at, h_kv, first, n_blocks, stage, parity,
+                      issuing):
         """The tensor copies of the Q tile into Q buffer ``q_buffer`` and of the first ``n_blocks`` K/V tiles into the
-        ring from ``stage`` (its use of parity ``parity``), by one thread: the ring's next stage and parity."""
+        ring from ``stage`` (its use of parity ``parity``): the ring's next stage and parity. The calling thread
+        waits for each stage to be free; it announces the bytes, copies and arrives if ``issuing`` (one thread
+        issues, the others of its warp may follow the ring beside it)."""
         q_full = Q_FULL + q_buffer
-        mbarrier_expect_tx(bars, q_full, Q_BYTES)
-        for p in range(D // 64):
-            tma_load_box(view, q_buffer * Q_ROWS + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, q_full)
-        mbarrier_arrive(bars, q_full)
+        if issuing:
+            mbarrier_expect_tx(bars, q_full, Q_BYTES)
+            for p in range(D // 64):
+                tma_load_box(view, q_buffer * Q_ROWS + p * BLOCK_M, maps, 0, q_at, h, q_start, 64 * p, bars, q_full)
+            mbarrier_arrive(bars, q_full)
         last_stage, last_parity = stage, parity
         for j in range(n_blocks):
             keys = first + j * BLOCK_N
             if SPLIT_RING:  # K into its stage once its scores are done, the previous tile's V once its P V is
                 mbarrier_wait(bars, K_EMPTY + stage, parity ^ 1)  # (at once for the parity before the first phase)
-                mbarrier_expect_tx(bars, FULL + stage, K_BYTES)
-                copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
-                mbarrier_arrive(bars, FULL + stage)
+                if issuing:
+                    mbarrier_expect_tx(bars, FULL + stage, K_BYTES)
+                    copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                    mbarrier_arrive(bars, FULL + stage)
                 if j > 0:
-                    produce_values(view, bars, maps, kv_at, h_kv, keys - BLOCK_N, last_stage, last_parity)
+                    produce_values(view, bars, maps, kv_at, h_kv, keys - BLOCK_N, last_stage, last_parity, issuing)
             else:
                 if j >= STAGES:
                     mbarrier_wait(bars, EMPTY + stage, parity ^ 1)
-                mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
-                copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
-                copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, FULL + stage)
-                mbarrier_arrive(bars, FULL + stage)
+                if issuing:
+                    mbarrier_expect_tx(bars, FULL + stage, KV_BYTES)
+                    copy_boxes(view, maps, K_MAP, K_ROW0 + stage * K_ROWS, D, kv_at, h_kv, keys, bars, FULL + stage)
+                    copy_boxes(view, maps, V_MAP, V_ROW0 + stage * V_ROWS, DV, kv_at, h_kv, keys, bars, FULL + stage)
+                    mbarrier_arrive(bars, FULL + stage)
             last_stage, last_parity = stage, parity
             stage, parity = ring_next(stage, parity, STAGES)
         if SPLIT_RING and n_blocks > 0:
-            produce_values(view, bars, maps, kv_at, h_kv, first + (n_blocks - 1) * BLOCK_N, last_stage, last_parity)
+            produce_values(view, bars, maps, kv_at, h_kv, first + (n_blocks - 1) * BLOCK_N, last_stage, last_parity,
+                           issuing)
         return stage, parity
 
     @cuda.jit(device=True, forceinline=True)
@@ -316,7 +324,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
         tail = VARLEN and first + n_blocks * BLOCK_N > nkeys
         if cuda.threadIdx.x == CONSUMERS:
             produce_boxes(view, bars, maps, Q_VIEW_ROW, q_at, h, q_start, kv_at, h_kv, first,
-                          n_blocks - 1 if tail else n_blocks, int64(0), int64(0))
+                          n_blocks - 1 if tail else n_blocks, int64(0), int64(0), True)
         if tail:
             j = n_blocks - 1
             produce_tail(view, bars, k, v, kv_at, h_kv, j, j % STAGES, (j // STAGES) % 2, first, nkeys)
@@ -350,12 +358,14 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     def produce_tiles(view, bars, maps, q, k, v, seqs, left, right, tiles):
         """A persistent block's producer: for each of the block's query tiles its first thread copies the Q tile
         into the next Q buffer once the output tile staged there two tiles before is written out, then the K/V
-        tiles into the ring as ``produce_boxes`` does; a packed sequence's last K/V tile, when it runs past the
-        sequence's keys, the first warp copies (``produce_tail``), so in a packed batch its every thread follows
-        the ring."""
+        tiles into the ring as ``produce_boxes`` does. In a packed batch the whole first warp follows the ring
+        (its lanes wait together, the first alone issues: a lane that waited while the others ran elsewhere
+        would spin inside a divergent branch) and copies a sequence's last K/V tile when it runs past the
+        sequence's keys (``produce_tail``)."""
         leader = cuda.threadIdx.x == CONSUMERS
         if not (leader or VARLEN and cuda.threadIdx.x < CONSUMERS + KV_COPIERS):
             return
+        issuing = not VARLEN or leader
         stage, parity, q_buffer, q_parity = int64(0), int64(0), int64(0), int64(0)
         for round_index in range((tiles + cuda.gridDim.x - 1) // cuda.gridDim.x):
             block = tile_of_round(round_index)
@@ -366,14 +376,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             if VARLEN and m0 < 0:
                 continue  # past its sequence's rows: the computing threads pass over it too
             tail = VARLEN and first + n_blocks * BLOCK_N > seqlen_kv
-            boxed = n_blocks - 1 if tail else n_blocks
-            if leader:
-                mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
-                stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv,
-                                              k_row0 + first, boxed, stage, parity)
-            else:
-                for _ in range(boxed):
-                    stage, parity = ring_next(stage, parity, STAGES)
+            mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
+            stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv,
+                                          k_row0 + first, n_blocks - 1 if tail else n_blocks, stage, parity, issuing)
             if tail:
                 produce_tail(view, bars, k, v, kv_at, h_kv, n_blocks - 1, stage, parity, k_row0 + first,
                              k_row0 + seqlen_kv)

@@ -83,9 +83,11 @@ def source_row(layout):
 
 @cuda.jit(device=True, forceinline=True)
 def sequence_span(cu, b, total):
-    """``(start, length)`` of sequence ``b`` in ``total`` packed rows, clamped into them."""
-    start = min(max(cu[b], 0), total)
-    return int32(start), int32(min(max(cu[b + 1], start), total) - start)
+    """``(start, length)`` of sequence ``b`` in ``total`` packed rows, clamped into them. The offsets come by
+    global loads: a generic load (which may read shared memory) makes ptxas pad every later memory fence of the
+    kernel, such as each key tile's proxy fence, with dummy shared loads."""
+    start = min(max(load_readonly_i32(cu, (b,)), 0), total)
+    return int32(start), int32(min(max(load_readonly_i32(cu, (b + 1,)), start), total) - start)
 
 
 @functools.cache
@@ -124,14 +126,15 @@ def block_locator(layout):
             q_at, k_row0 = 0, 0
             kv_at = (page_table, b, int32(v.shape[0] - 1))
             q_row0, seqlen_q = sequence_span(cu_q, b, q.shape[2])
-            seqlen_kv = seqused_k[b] if SEQUSED else cu_k[b + 1] - cu_k[b]
+            seqlen_kv = (load_readonly_i32(seqused_k, (b,)) if SEQUSED
+                         else load_readonly_i32(cu_k, (b + 1,)) - load_readonly_i32(cu_k, (b,)))
             seqlen_kv = int32(min(max(seqlen_kv, 0), page_table.shape[1] * PAGE_SIZE))
         elif VARLEN:
             q_at, kv_at = 0, 0
             q_row0, seqlen_q = sequence_span(cu_q, b, q.shape[2])
             k_row0, seqlen_kv = sequence_span(cu_k, b, v.shape[2])
             if SEQUSED:
-                seqlen_kv = min(max(seqused_k[b], 0), seqlen_kv)
+                seqlen_kv = min(max(load_readonly_i32(seqused_k, (b,)), 0), seqlen_kv)
         else:
             q_at, kv_at, q_row0, k_row0 = b, b, 0, 0
             seqlen_q, seqlen_kv = q.shape[2], v.shape[2]
@@ -168,7 +171,7 @@ def sequence_of(cu, row):
     low, high = 0, cu.shape[0] - 2
     while low < high:
         middle = (low + high + 1) // 2
-        if cu[middle] <= row:
+        if load_readonly_i32(cu, (middle,)) <= row:
             low = middle
         else:
             high = middle - 1
