@@ -24,6 +24,9 @@ from pathlib import Path
 import numpy as np
 
 
+ROUNDS = 11  # rounds of the contenders in turns (each a median of 10 timings): at 5 a run's ratios moved by ±4%
+
+
 def packed_offsets(torch, lengths):
     return torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device="cuda")
 
@@ -76,7 +79,7 @@ def equal_lengths(torch, timed_in_turns, batch=8, seqlen=2048, heads_q=32, heads
                 torch.nn.functional.scaled_dot_product_attention(q_bhsd, k_bhsd, v_bhsd, is_causal=True,
                                                                  enable_gqa=True)
         calls[f"SDPA {name} (padded)"] = sdpa
-    times = timed_in_turns(torch, calls)
+    times = timed_in_turns(torch, calls, rounds=ROUNDS)
     base = times["padded batch"]
     return [{"case": f"B{batch} L{seqlen} Hq{heads_q} Hkv{heads_kv} D{head_dim} bf16 causal, {name}", "ms": ms,
              "over_padded": ms / base, "max_abs_difference": errors.get(name)} for name, ms in times.items()]
@@ -103,7 +106,7 @@ def uneven_lengths(torch, timed_in_turns, heads_q=32, heads_kv=8, head_dim=128):
         rows = slice(int(cu[b]), int(cu[b]) + n)
         alone = numattn.attention(q[None, rows], k[None, rows], v[None, rows], causal=True, layout="bshd")[0]
         error = max(error, float((packed[rows] - alone).abs().max()))
-    times = timed_in_turns(torch, calls)
+    times = timed_in_turns(torch, calls, rounds=ROUNDS)
     label = f"16 sequences of {min(lengths)}..{longest} rows ({total} in all), Hq{heads_q} Hkv{heads_kv} D{head_dim}"
     return [{"case": f"{label}, {name}", "ms": ms, "over_padded": ms / times["padded to the longest"],
              "max_abs_difference": error if name == "packed" else None} for name, ms in times.items()]
