@@ -385,8 +385,8 @@ def default_choice(p, limits):
     (``WgmmaConfig.persistent``; with fewer tiles each block would take one, with a stage less: B2 H8 L1000
     causal took 1.07 of the time). Packed sequences take persistent blocks only where every sequence has
     ``max_seqlen_q`` queries (``Sequences.equal_query_lengths``): on an H100, B8 L2048 Hq32 Hkv8 D128 bf16 causal,
-    one process, a block per tile took 0.622 ms padded and 0.633 packed, persistent blocks 0.583 padded and
-    0.619 packed; over 16 uneven sequences persistent blocks were 11% slower than a block per tile (measured
+    one process, a block per tile took 0.617 ms padded and 0.639 packed, persistent blocks 0.576 padded and
+    0.593 packed; over 16 uneven sequences persistent blocks were 11% slower than a block per tile (measured
     with all four producer warps following the tiles; they pass over the tiles past each sequence's rows)."""
     config = default_config(p, limits)
     if (isinstance(config, WgmmaConfig) and max(p.head_dim, p.head_dim_v) <= 128 and not p.options.mods.window
