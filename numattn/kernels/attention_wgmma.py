@@ -317,17 +317,30 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                 mbarrier_arrive(bars, V_FULL + stage)
 
     @cuda.jit(device=True, forceinline=True)
-    def produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks):
-        """``produce`` with tensor copies by the producer's first thread: the Q tile's panels, then each K/V tile's
-        into its stage, the bytes announced to the stage's FULL barrier before its copies; a packed sequence's
-        last tile, when it runs past ``nkeys``, by every producer thread's ``cp.async`` copies."""
+    def produce_tile(view, bars, maps, k, v, q_buffer, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks, stage,
+                     parity, issuing, waiting):
+        """A query tile's copies into the ring from ``stage`` (its use of parity ``parity``): the Q tile and the
+        K/V tiles by tensor copies (``produce_boxes``; a thread not ``waiting`` passes over them), then a packed
+        sequence's last K/V tile, when it runs past the sequence's keys ``nkeys``, by the ``KV_COPIERS`` producer
+        threads (``produce_tail``). The ring's stage and parity after the tile's."""
         tail = VARLEN and first + n_blocks * BLOCK_N > nkeys
-        if cuda.threadIdx.x == CONSUMERS:
-            produce_boxes(view, bars, maps, Q_VIEW_ROW, q_at, h, q_start, kv_at, h_kv, first,
-                          n_blocks - 1 if tail else n_blocks, int64(0), int64(0), True)
+        boxed = n_blocks - 1 if tail else n_blocks
+        if waiting:
+            stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_start, kv_at, h_kv, first, boxed,
+                                          stage, parity, issuing)
+        else:
+            stage, parity = (stage + boxed) % STAGES, parity ^ ((stage + boxed) // STAGES % 2)
         if tail:
-            j = n_blocks - 1
-            produce_tail(view, bars, k, v, kv_at, h_kv, j, j % STAGES, (j // STAGES) % 2, first, nkeys)
+            produce_tail(view, bars, k, v, kv_at, h_kv, boxed, stage, parity, first, nkeys)
+            stage, parity = ring_next(stage, parity, STAGES)
+        return stage, parity
+
+    @cuda.jit(device=True, forceinline=True)
+    def produce_by_tensor_copies(view, bars, k, v, maps, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks):
+        """``produce`` with tensor copies (``produce_tile``) by the producer's first thread; the other producer
+        threads copy only a packed sequence's last tile."""
+        produce_tile(view, bars, maps, k, v, Q_VIEW_ROW, q_at, h, q_start, kv_at, h_kv, first, nkeys, n_blocks,
+                     int64(0), int64(0), True, cuda.threadIdx.x == CONSUMERS)
 
     @cuda.jit(device=True, forceinline=True)
     def find_tile(q, v, seqs, left, right, block, blocks):
@@ -358,7 +371,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
     def produce_tiles(view, bars, maps, q, k, v, seqs, left, right, tiles):
         """A persistent block's producer: for each of the block's query tiles its first thread copies the Q tile
         into the next Q buffer once the output tile staged there two tiles before is written out, then the K/V
-        tiles into the ring as ``produce_boxes`` does. In a packed batch the whole first warp follows the ring
+        tiles into the ring (``produce_tile``). In a packed batch the whole first warp follows the ring
         (its lanes wait together, the first alone issues: a lane that waited while the others ran elsewhere
         would spin inside a divergent branch) and copies a sequence's last K/V tile when it runs past the
         sequence's keys (``produce_tail``)."""
@@ -375,14 +388,9 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
                                                                                                     right, block, tiles)
             if VARLEN and m0 < 0:
                 continue  # past its sequence's rows: the computing threads pass over it too
-            tail = VARLEN and first + n_blocks * BLOCK_N > seqlen_kv
             mbarrier_wait(bars, Q_FREE + q_buffer, q_parity ^ 1)
-            stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv,
-                                          k_row0 + first, n_blocks - 1 if tail else n_blocks, stage, parity, issuing)
-            if tail:
-                produce_tail(view, bars, k, v, kv_at, h_kv, n_blocks - 1, stage, parity, k_row0 + first,
-                             k_row0 + seqlen_kv)
-                stage, parity = ring_next(stage, parity, STAGES)
+            stage, parity = produce_tile(view, bars, maps, k, v, q_buffer, q_at, h, q_row0 + m0, kv_at, h_kv,
+                                         k_row0 + first, k_row0 + seqlen_kv, n_blocks, stage, parity, issuing, True)
             q_buffer, q_parity = ring_next(q_buffer, q_parity, Q_BUFFERS)
 
     @cuda.jit(device=True, forceinline=True)
