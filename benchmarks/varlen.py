@@ -4,7 +4,7 @@
 
 Forward passes, bf16, causal, Hq 32, Hkv 8, D128, default arguments, fresh random inputs; each timed as
 the median of CUDA-event timings with the L2 cache flushed, after the GPU's clocks are warmed, the
-contenders in turns over five rounds.
+contenders in turns over eleven rounds.
 
 * Equal lengths, B8 L2048: ``attention_varlen`` on the packed rows, on keys in shuffled pages of 16 and of
   64 rows (paged prefill), against ``numattn.attention`` on the padded batch (layout ``"bshd"``: the same
@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 
 ROUNDS = 11  # rounds of the contenders in turns (each a median of 10 timings): at 5 a run's ratios moved by ±4%
 
