@@ -41,7 +41,7 @@ SOURCES = {
     "host": "bench-h200-2026-11-24d",
     "cpu": "cpu-2026-11-26",
     "variants": "variants-h200-2026-12-07",
-    "varlen": "varlen-h100-2026-12-07b",
+    "varlen": "varlen-h200-2026-12-07b",
 }
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
