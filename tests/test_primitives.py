@@ -12,7 +12,7 @@ import torch
 
 import numattn
 from numattn.kernels.ptx import cvt_f32_bf16, cvt_f32_f16, cvt_rn_bf16_f32, cvt_rn_f16_f32, global_address
-from numattn.kernels.tiles import row_of_batch, sw128_cell, tile_copier, tile_view
+from numattn.kernels.tiles import ring_after, ring_next, row_of_batch, sw128_cell, tile_copier, tile_view
 
 ALL_BITS = np.arange(1 << 16, dtype=np.uint16)
 
@@ -69,6 +69,17 @@ def test_tile_view_twin():
     assert tile.shape == (3, 5) and tile[2, 4] == 6 + 2 * 5 + 4
     tile[0, 0] = -1
     assert buf[6] == -1  # a view, not a copy
+
+
+@pytest.mark.sim
+def test_ring_after_is_ring_next_taken_steps_times():
+    for slots in (1, 2, 3, 4):
+        for slot in range(slots):
+            for parity in (0, 1):
+                expected = (slot, parity)
+                for steps in range(3 * slots + 2):
+                    assert ring_after(slot, parity, steps, slots) == expected, (slots, slot, parity, steps)
+                    expected = ring_next(*expected, slots)
 
 
 def test_tile_copier_is_made_once_for_the_same_arguments():

@@ -76,7 +76,7 @@ from .score_mods import NO_MODS, crosses_window, window_span
 from .sequences import DENSE, block_locator, forward_kernel, sequence_span, source_row
 from .split_merge import split_finisher, split_run
 from .tensor_maps import key_box_rows
-from .tiles import ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
+from .tiles import ring_after, ring_next, sw128_cell, tile_copier, tile_view, transposed_key_copier
 
 _ZERO = np.float32(0.0)
 
@@ -329,7 +329,7 @@ def wgmma_attention_kernel(config, dtype, head_dim, head_dim_v, causal, write_ls
             stage, parity = produce_boxes(view, bars, maps, q_buffer, q_at, h, q_start, kv_at, h_kv, first, boxed,
                                           stage, parity, issuing)
         else:
-            stage, parity = (stage + boxed) % STAGES, parity ^ ((stage + boxed) // STAGES % 2)
+            stage, parity = ring_after(stage, parity, boxed, STAGES)
         if tail:
             produce_tail(view, bars, k, v, kv_at, h_kv, boxed, stage, parity, first, nkeys)
             stage, parity = ring_next(stage, parity, STAGES)

@@ -268,3 +268,9 @@ def ring_next(slot, parity, slots):
     """The next tile's buffer in a ring of ``slots`` buffers and the parity of its use (the use's count in that
     buffer modulo 2, as mbarrier phases go), from this tile's."""
     return (0, parity ^ 1) if slot + 1 == slots else (slot + 1, parity)
+
+
+@cuda.jit(device=True, forceinline=True)
+def ring_after(slot, parity, steps, slots):
+    """``ring_next`` taken ``steps`` times: the buffer and parity of the tile ``steps`` tiles after this one."""
+    return (slot + steps) % slots, parity ^ ((slot + steps) // slots % 2)
